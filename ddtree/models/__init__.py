@@ -1,0 +1,1 @@
+"""Models: the DFlash drafter, the target wrapper, and tiny random models."""

@@ -1,0 +1,228 @@
+"""DFlash block drafter in the z-lab checkpoint layout.
+
+A checkpoint directory holds `config.json` (Qwen3 fields plus `block_size`, `num_target_layers` and
+`dflash_config = {target_layer_ids, mask_token_id}`) and `model.safetensors` with the keys
+`layers.N.self_attn.{q,k,v,o}_proj`, `layers.N.self_attn.{q,k}_norm`, `layers.N.mlp.*`,
+`layers.N.{input,post_attention}_layernorm`, `norm`, `fc` and `hidden_norm`. The drafter has no embedding
+and no head of its own: it shares the target's.
+
+One forward sees a block `[bonus, mask, ..., mask]` and, as extra keys and values in every layer, the
+target's features for the whole context (cached, appended as tokens are committed). Attention is
+non-causal inside the block, so all `block_size - 1` draft distributions come from one forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from ddtree.engine.kv_cache import KVCache
+from ddtree.errors import UserError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.head_dim = int(config.head_dim)
+        bias = bool(config.attention_bias)
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, n, hidden] -> keys, values `[batch, kv_heads, n, head_dim]` (keys normed and rotated)."""
+        batch, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, n, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, n, -1, self.head_dim).transpose(1, 2)
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        batch, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, n, -1, self.head_dim)).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        keys = torch.cat([context_kv[0], k], dim=2)
+        values = torch.cat([context_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        result: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+        return result
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter network. `draft()` runs one block; the caller supplies the target's embeddings and head."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        dflash: dict[str, Any] = config.dflash_config
+        self.target_layer_ids: tuple[int, ...] = tuple(int(i) for i in dflash["target_layer_ids"])
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.block_size = int(config.block_size)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(config)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions per block (the bonus slot excluded)."""
+        return self.block_size - 1
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        c = self.config
+        return KVCache(len(self.layers), batch, c.num_key_value_heads, c.head_dim, capacity, dtype, device)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context: torch.Tensor,
+        context_counts: torch.Tensor,
+        cache: KVCache,
+        key_span: int,
+    ) -> torch.Tensor:
+        """Append context features to the cache, then run one block. Returns normed hidden states.
+
+        `block_embeds` `[batch, block, hidden]` are the target's embeddings of `[bonus, mask, ...]`;
+        `context` `[batch, n, features]` are new target features, of which the first `context_counts[b]`
+        are real. The block sits right after the context. `key_span` bounds `max(lengths) + n` on the host.
+        """
+        batch, n, _ = context.shape
+        block = block_embeds.shape[1]
+        steps = torch.arange(max(n, block), device=context.device)[None, :]
+        ctx_slots = cache.lengths[:, None] + steps[:, :n]  # [batch, n]
+        new_lengths = cache.lengths + context_counts
+        block_pos = new_lengths[:, None] + steps[:, :block]  # [batch, block]
+        ctx = self.hidden_norm(self.fc(context))
+        ctx_cos, ctx_sin = self.rotary(ctx, ctx_slots)
+        cos, sin = self.rotary(block_embeds, block_pos)
+        visible = torch.arange(key_span, device=context.device)[None, :] < new_lengths[:, None]  # [batch, span]
+        ones = torch.ones((batch, block), dtype=torch.bool, device=context.device)
+        mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn: DFlashAttention = layer.self_attn  # type: ignore[assignment]
+            k, v = attn.project_kv(ctx, ctx_cos, ctx_sin)
+            cache.write(i, ctx_slots, k, v)
+            x = x + attn(layer.input_layernorm(x), cos, sin, cache.read(i, key_span), mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.lengths.copy_(new_lengths)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+def default_feature_layers(num_target_layers: int, count: int) -> list[int]:
+    """`count` target layers spread evenly from the second to the fourth-last (all layers for tiny targets)."""
+    low = 1 if num_target_layers > 3 else 0
+    high = max(low, num_target_layers - 3)
+    if count == 1:
+        return [(low + high) // 2]
+    return [round(low + i * (high - low) / (count - 1)) for i in range(count)]
+
+
+def drafter_config(
+    target_config: Any,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    feature_layers: list[int] | None = None,
+) -> Qwen3Config:
+    """A drafter config sized to the target: same hidden size, heads, vocabulary and rotary settings."""
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    layers = feature_layers or default_feature_layers(target_config.num_hidden_layers, num_layers)
+    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    return Qwen3Config(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(rope),
+        tie_word_embeddings=False,
+        architectures=["DFlashDraftModel"],
+        block_size=block_size,
+        num_target_layers=target_config.num_hidden_layers,
+        dflash_config={"target_layer_ids": layers, "mask_token_id": mask_token_id},
+    )
+
+
+def save_drafter(drafter: DFlashDrafter, out: str | Path) -> None:
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    drafter.config.save_pretrained(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_drafter(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    """Load a drafter directory, with a clear error when it is missing or malformed."""
+    directory = Path(path)
+    config_file, weights = directory / "config.json", directory / WEIGHTS_NAME
+    if not config_file.is_file() or not weights.is_file():
+        raise UserError(f"drafter directory {str(path)!r} is missing config.json or {WEIGHTS_NAME}")
+    try:
+        raw = json.loads(config_file.read_text())
+        dflash = raw["dflash_config"]
+        _ = raw["block_size"], dflash["target_layer_ids"], dflash["mask_token_id"]
+        config = Qwen3Config.from_pretrained(directory)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"drafter config in {str(path)!r} is not a DFlash config: {exc}") from exc
+    if int(config.block_size) < 2:
+        raise UserError(f"drafter block_size must be >= 2, got {config.block_size}")
+    drafter = DFlashDrafter(config)
+    try:
+        drafter.load_state_dict(load_file(str(weights)))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"cannot load drafter weights in {str(path)!r}: {exc}") from exc
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def check_pair(drafter: DFlashDrafter, target_config: Any) -> None:
+    """The drafter must share the target's hidden size and vocabulary, and read layers it has."""
+    c = drafter.config
+    if c.hidden_size != target_config.hidden_size:
+        raise UserError(f"drafter hidden size {c.hidden_size} does not match the target's {target_config.hidden_size}")
+    if c.vocab_size != target_config.vocab_size:
+        raise UserError(f"drafter vocabulary {c.vocab_size} does not match the target's {target_config.vocab_size}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
+    if bad:
+        raise UserError(f"drafter reads target layers {bad}, but the target has {target_config.num_hidden_layers}")
+    if not 0 <= drafter.mask_token_id < target_config.vocab_size:
+        raise UserError(f"drafter mask_token_id {drafter.mask_token_id} is outside the target vocabulary")

@@ -1,0 +1,173 @@
+"""The target model: an HF Llama- or Qwen-style checkpoint run by our own layer loop.
+
+We load weights, config and tokenizer with transformers and reuse its modules (projections, norms, MLP,
+rotary embedding). The layer loop is ours so that one forward can take a tree: per-request positions, an
+ancestor-only mask and a preallocated cache with compaction (see `ddtree.engine.kv_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ddtree.engine.kv_cache import KVCache
+from ddtree.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: torch.Tensor  # [batch, n, vocab] float32
+    features: torch.Tensor | None  # [batch, n, len(feature_layers) * hidden]: drafter context features
+
+
+class Target:
+    """Wraps a loaded `*ForCausalLM`. `feature_layers` are the layers whose outputs the drafter reads."""
+
+    def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()) -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(
+                f"unsupported target model type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.model = model.eval()
+        self.config = config
+        inner: Any = model.model
+        self.embed_tokens: nn.Module = inner.embed_tokens
+        self.layers: nn.ModuleList = inner.layers
+        self.norm: nn.Module = inner.norm
+        self.rotary: nn.Module = inner.rotary_emb
+        self.lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = int(config.num_key_value_heads)
+        self.feature_layers = feature_layers
+        self.vocab_size = int(config.vocab_size)
+        self.hidden_size = int(config.hidden_size)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, batch, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[batch, n] -> [batch, n, hidden]."""
+        out: torch.Tensor = self.embed_tokens(tokens)
+        return out
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states -> float32 logits."""
+        out: torch.Tensor = self.lm_head(hidden)
+        return out.float()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        cache: KVCache,
+        key_span: int,
+        logit_index: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run `tokens` (`[batch, n]`) at `positions` (`[batch, n]`) on top of the cache.
+
+        Token i is written to slot `cache.lengths + i` and sees the committed prefix plus the tokens j
+        with `visible[b, i, j]` (`[batch, n, n]`). `key_span` is a host-side bound on
+        `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits.
+        """
+        batch, n = tokens.shape
+        slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
+        mask = tree_attention_mask(cache.lengths, visible, key_span)  # [batch, 1, n, key_span]
+        x = self.embed(tokens)
+        cos, sin = self.rotary(x, positions)
+        features: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span)
+            if i in self.feature_layers:
+                features[i] = x
+        x = self.norm(x)
+        if logit_index is not None:
+            x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        feats = torch.cat([features[i] for i in self.feature_layers], dim=-1) if features else None
+        return TargetOutput(logits=self.head(x), features=feats)
+
+    def _layer(
+        self,
+        layer: Any,
+        index: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache,
+        key_span: int,
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        batch, n, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(batch, n, -1, self.head_dim)
+        k = attn.k_proj(h).view(batch, n, -1, self.head_dim)
+        v = attn.v_proj(h).view(batch, n, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        cache.write(index, slots, k, v)
+        keys, values = cache.read(index, key_span)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
+        )  # [batch, heads, n, head_dim]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+        result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+        return result
+
+
+def tree_attention_mask(lengths: torch.Tensor, visible: torch.Tensor, key_span: int) -> torch.Tensor:
+    """[batch, 1, n, key_span] bool: the committed prefix, plus slot `lengths + j` where `visible[:, i, j]`."""
+    n = visible.shape[-1]
+    rel = torch.arange(key_span, device=lengths.device)[None, None, :] - lengths[:, None, None]  # [batch, 1, span]
+    in_tree = (rel >= 0) & (rel < n)
+    tree_part = visible.gather(2, rel.clamp(0, n - 1).expand(-1, n, -1)) & in_tree
+    return ((rel < 0) | tree_part)[:, None, :, :]
+
+
+def read_target_config(path: str | Path) -> Any:
+    """Read and check a target's config, with a clear error when the directory can't be used."""
+    from transformers import AutoConfig
+
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise UserError(f"model directory {str(path)!r} is missing or has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(
+            f"unsupported target model type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Load an HF causal LM from a directory, with a clear error when it can't be read."""
+    from transformers import AutoModelForCausalLM
+
+    config = read_target_config(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=dtype)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"cannot load the model weights in {str(path)!r}: {exc}") from exc
+    module: nn.Module = model.to(device)
+    return module

@@ -1,0 +1,143 @@
+"""From user input to engine output: load and check the pair, tokenize, generate, detokenize."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.errors import UserError
+from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
+from ddtree.models.target import Target, load_target, read_target_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    model: str
+    drafter: str | None
+    method: str = "ddtree"
+    budget: int = 32
+    topk: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    device: str = "auto"
+    dtype: str = "auto"
+    prompts: list[str] | None = None
+    prompt_ids: list[list[int]] | None = None
+    chat: bool = False
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def check_request(request: GenerateRequest, vocab_size: int) -> None:
+    if request.budget < 1:
+        raise UserError(f"--budget must be >= 1, got {request.budget}")
+    if request.topk is not None and not 1 <= request.topk <= vocab_size:
+        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {request.topk}")
+    if request.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {request.temperature}")
+    if request.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {request.max_new_tokens}")
+    if request.method != "ar" and request.drafter is None:
+        raise UserError(f"--method {request.method} needs --drafter DIR")
+    for ids in request.prompt_ids or []:
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise UserError(f"--prompt-ids has ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+
+
+def load_pair(request: GenerateRequest) -> tuple[Target, DFlashDrafter | None, Any]:
+    """Check the request against the configs first, then load weights (cheap errors come first)."""
+    config = read_target_config(request.model)
+    check_request(request, int(config.vocab_size))
+    device = resolve_device(request.device)
+    dtype = resolve_dtype(request.dtype, device)
+    drafter = None
+    if request.method != "ar" and request.drafter is not None:
+        drafter = load_drafter(request.drafter, device, dtype)
+        check_pair(drafter, config)
+    model = load_target(request.model, device, dtype)
+    target = Target(model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
+    return target, drafter, _load_tokenizer(request.model)
+
+
+def _load_tokenizer(path: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
+    if request.prompt_ids is not None:
+        return request.prompt_ids
+    if tokenizer is None:
+        raise UserError(f"model directory {request.model!r} has no tokenizer; pass --prompt-ids instead")
+    prompts = request.prompts or []
+    if request.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat was given, but the model has no chat template")
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
+            for p in prompts
+        ]
+    encoded = [list(tokenizer.encode(p)) for p in prompts]
+    if any(not ids for ids in encoded):
+        raise UserError("a prompt encodes to no tokens")
+    return encoded
+
+
+def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(target.model, "generation_config", None), target.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
+    """Generate for every prompt of the request; yield one record per prompt."""
+    target, drafter, tokenizer = load_pair(request)
+    prompts = encode_prompts(request, tokenizer)
+    config = GenerationConfig(
+        method=request.method,
+        budget=request.budget,
+        topk=request.topk,
+        temperature=request.temperature,
+        seed=request.seed,
+        max_new_tokens=request.max_new_tokens,
+        eos_token_ids=eos_ids(tokenizer, target),
+    )
+    result = Engine(target, drafter).generate(prompts, config)
+    for out in result.outputs:
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+        yield {
+            "token_ids": out.token_ids,
+            "text": text,
+            "steps": len(out.acceptance_lengths),
+            "acceptance_lengths": out.acceptance_lengths,
+            "tokens_per_second": result.new_tokens / result.seconds if result.seconds > 0 else 0.0,
+        }

@@ -1,0 +1,1 @@
+"""Observability for speculative decoding: hooks, names, and (when enabled) exporters."""
