@@ -1,0 +1,37 @@
+"""Tiny random pairs built in memory, in float64 so that greedy comparisons are exact."""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.models.dflash import DFlashDrafter, drafter_config
+from ddtree.models.target import Target
+from ddtree.models.tiny import random_llama, tiny_llama_config
+
+
+def tiny_pair(
+    seed: int,
+    vocab: int = 32,
+    hidden: int = 32,
+    layers: int = 2,
+    block_size: int = 6,
+    drafter_layers: int = 1,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Target, DFlashDrafter]:
+    """A random Llama target and a random DFlash drafter sized to it."""
+    config = tiny_llama_config(vocab, hidden_size=hidden, num_layers=layers, heads=4, kv_heads=2)
+    model = random_llama(config, seed).to(dtype)
+    torch.manual_seed(seed + 1000)
+    drafter = DFlashDrafter(drafter_config(config, drafter_layers, block_size, mask_token_id=vocab - 1))
+    # Larger drafter weights make its distributions peaked, so trees and chains differ in shape.
+    for p in drafter.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.3)
+    drafter = drafter.to(dtype).eval()
+    return Target(model, feature_layers=drafter.target_layer_ids), drafter
+
+
+def random_prompts(seed: int, batch: int, vocab: int, low: int = 1, high: int = 12) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (batch,), generator=gen).tolist()
+    return [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
