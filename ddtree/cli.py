@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_generate)
 
-    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(dest="drafter_command", required=True)
+    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
+        dest="drafter_command", required=True
+    )
     init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
     init.add_argument("--target", required=True, help="target model directory")
     init.add_argument("--out", required=True, help="output directory")

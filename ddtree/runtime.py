@@ -98,7 +98,11 @@ def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--chat was given, but the model has no chat template")
         return [
-            list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True))
+            list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+                )
+            )
             for p in prompts
         ]
     encoded = [list(tokenizer.encode(p)) for p in prompts]

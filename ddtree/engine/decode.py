@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.kv_cache import KVCache
-from ddtree.engine.proposers import Proposer, make_proposer
+from ddtree.engine.proposers import make_proposer
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
@@ -75,7 +75,7 @@ class Engine:
 
         root, context, counts = self._prefill(prompts, cache, config.temperature, generator)
         host_lengths = [len(p) for p in prompts]
-        for out, token in zip(outputs, root.tolist()):
+        for out, token in zip(outputs, root.tolist(), strict=True):
             _emit(out, [token], config.max_new_tokens, eos)
         active = torch.tensor([not o.finished for o in outputs], device=device)
         step = 0
@@ -113,13 +113,13 @@ class Engine:
 
             accepted = [row[0] for row in host]
             obs.on_accept(result, accepted)
-            for b, (out, row) in enumerate(zip(outputs, host)):
+            for b, (out, row) in enumerate(zip(outputs, host, strict=True)):
                 if out.finished:
                     continue
                 n = row[0]
                 out.acceptance_lengths.append(n + 1)
                 host_lengths[b] += n + 1
-                _emit(out, row[2 : 2 + n] + [row[-1]], config.max_new_tokens, eos)
+                _emit(out, [*row[2 : 2 + n], row[-1]], config.max_new_tokens, eos)
             active = torch.tensor([not o.finished for o in outputs], device=device)
             obs.on_step_end(step)
             step += 1

@@ -25,7 +25,9 @@ class Proposer(Protocol):
     def start(self, batch: int, capacity: int) -> None:
         """Allocate per-generation state."""
 
-    def draft(self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int) -> torch.Tensor | None:
+    def draft(
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+    ) -> torch.Tensor | None:
         """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`)."""
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
@@ -43,7 +45,9 @@ class NoDraft:
     def start(self, batch: int, capacity: int) -> None:
         pass
 
-    def draft(self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int) -> torch.Tensor | None:
+    def draft(
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+    ) -> torch.Tensor | None:
         return None
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
@@ -64,7 +68,9 @@ class DrafterProposer:
     def start(self, batch: int, capacity: int) -> None:
         self.cache = self.drafter.new_cache(batch, capacity, self.target.dtype, self.target.device)
 
-    def draft(self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int) -> torch.Tensor | None:
+    def draft(
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+    ) -> torch.Tensor | None:
         assert self.cache is not None and context is not None, "start() first; the target must emit features"
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root

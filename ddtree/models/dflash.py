@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
@@ -32,7 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.head_dim = int(config.head_dim)
         bias = bool(config.attention_bias)
@@ -72,10 +73,10 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = Qwen3MLP(config)  # type: ignore[no-untyped-call]
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -83,7 +84,7 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """The drafter network. `draft()` runs one block; the caller supplies the target's embeddings and head."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         dflash: dict[str, Any] = config.dflash_config
@@ -94,7 +95,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(config)
+        self.rotary: nn.Module = Qwen3RotaryEmbedding(config)
 
     @property
     def depth(self) -> int:
@@ -132,8 +133,9 @@ class DFlashDrafter(nn.Module):
         ones = torch.ones((batch, block), dtype=torch.bool, device=context.device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
         x = block_embeds
+        layer: Any
         for i, layer in enumerate(self.layers):
-            attn: DFlashAttention = layer.self_attn  # type: ignore[assignment]
+            attn: DFlashAttention = layer.self_attn
             k, v = attn.project_kv(ctx, ctx_cos, ctx_sin)
             cache.write(i, ctx_slots, k, v)
             x = x + attn(layer.input_layernorm(x), cos, sin, cache.read(i, key_span), mask)
@@ -158,12 +160,14 @@ def drafter_config(
     block_size: int,
     mask_token_id: int,
     feature_layers: list[int] | None = None,
-) -> Qwen3Config:
+) -> Any:
     """A drafter config sized to the target: same hidden size, heads, vocabulary and rotary settings."""
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    head_dim = (
+        getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    )
     layers = feature_layers or default_feature_layers(target_config.num_hidden_layers, num_layers)
     rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
-    return Qwen3Config(
+    fields: dict[str, Any] = dict(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
         intermediate_size=target_config.intermediate_size,
@@ -181,6 +185,7 @@ def drafter_config(
         num_target_layers=target_config.num_hidden_layers,
         dflash_config={"target_layer_ids": layers, "mask_token_id": mask_token_id},
     )
+    return Qwen3Config(**fields)
 
 
 def save_drafter(drafter: DFlashDrafter, out: str | Path) -> None:
@@ -209,7 +214,7 @@ def load_drafter(path: str | Path, device: torch.device, dtype: torch.dtype) -> 
     drafter = DFlashDrafter(config)
     try:
         drafter.load_state_dict(load_file(str(weights)))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise UserError(f"cannot load drafter weights in {str(path)!r}: {exc}") from exc
     return drafter.to(device=device, dtype=dtype).eval()
 

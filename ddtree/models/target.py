@@ -32,7 +32,7 @@ class Target:
     """Wraps a loaded `*ForCausalLM`. `feature_layers` are the layers whose outputs the drafter reads."""
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()) -> None:
-        config = model.config
+        config: Any = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
                 f"unsupported target model type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -86,7 +86,7 @@ class Target:
         with `visible[b, i, j]` (`[batch, n, n]`). `key_span` is a host-side bound on
         `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits.
         """
-        batch, n = tokens.shape
+        n = tokens.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
         mask = tree_attention_mask(cache.lengths, visible, key_span)  # [batch, 1, n, key_span]
         x = self.embed(tokens)
@@ -166,8 +166,7 @@ def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> n
 
     config = read_target_config(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=dtype)
+        model: nn.Module = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=dtype)
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load the model weights in {str(path)!r}: {exc}") from exc
-    module: nn.Module = model.to(device)
-    return module
+    return model.to(device)

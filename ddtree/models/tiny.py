@@ -19,7 +19,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)  # type: ignore[no-untyped-call]
     fast.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     return fast
 
@@ -43,8 +43,9 @@ def random_llama(config: LlamaConfig, seed: int, init_std: float = 0.2) -> Llama
     """A random Llama. A large init std gives peaked, varied next-token distributions (useful in tests)."""
     torch.manual_seed(seed)
     config.initializer_range = init_std
-    model = LlamaForCausalLM(config)
-    return model.eval()
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.train(False)
+    return model
 
 
 def write_tiny_target(out: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 4) -> Path:

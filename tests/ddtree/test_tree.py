@@ -43,7 +43,7 @@ def tree_prefixes(tree: DraftTree, b: int) -> list[tuple[tuple[int, ...], float]
 
 
 def check_structure(tree: DraftTree, log_probs: torch.Tensor, topk: int) -> None:
-    batch, width = tree.tokens.shape
+    batch = tree.tokens.shape[0]
     for b in range(batch):
         n = int(tree.num_nodes[b])
         assert tree.parents[b, 0] == -1 and tree.tokens[b, 0] == -1 and tree.depths[b, 0] == 0

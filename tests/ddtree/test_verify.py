@@ -44,7 +44,9 @@ def test_ancestor_mask_and_accept_match_a_python_walk(seed: int) -> None:
     root = torch.tensor([100, 101, 102])
     result = accept(tree, anc, choice, root)
     for b in range(batch):
-        path, bonus = walk_reference(tree.tokens[b].tolist(), tree.parents[b].tolist(), int(tree.num_nodes[b]), choice[b].tolist())
+        path, bonus = walk_reference(
+            tree.tokens[b].tolist(), tree.parents[b].tolist(), int(tree.num_nodes[b]), choice[b].tolist()
+        )
         n = len(path) - 1
         assert int(result.accepted[b]) == n
         assert result.path[b, : n + 1].tolist() == path

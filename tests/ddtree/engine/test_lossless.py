@@ -38,7 +38,9 @@ def test_ddtree_with_topk_and_all_budgets_equals_ar() -> None:
     ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=24))
     for budget in range(1, 65, 7):
         for topk in (1, 2, 16):
-            out = engine.generate(prompts, GenerationConfig(method="ddtree", budget=budget, topk=topk, max_new_tokens=24))
+            out = engine.generate(
+                prompts, GenerationConfig(method="ddtree", budget=budget, topk=topk, max_new_tokens=24)
+            )
             assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ar.outputs], (budget, topk)
 
 
@@ -60,6 +62,6 @@ def test_eos_stops_each_request_and_the_rest_continue() -> None:
     stop = ar.outputs[0].token_ids[5]
     cfg = GenerationConfig(method="ddtree", budget=16, max_new_tokens=30, eos_token_ids=(stop,))
     out = engine.generate(prompts, cfg)
-    for got, full in zip(out.outputs, ar.outputs):
+    for got, full in zip(out.outputs, ar.outputs, strict=True):
         cut = full.token_ids.index(stop) + 1 if stop in full.token_ids else len(full.token_ids)
         assert got.token_ids == full.token_ids[:cut]

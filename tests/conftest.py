@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddtree.cli import main
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random tiny target and drafter on disk, written by the CLI itself."""
+    root = tmp_path_factory.mktemp("pair")
+    target, drafter = root / "target", root / "drafter"
+    assert main(["models", "init-tiny", "--out", str(target), "--hidden-size", "32", "--num-layers", "2"]) == 0
+    assert main(["drafter", "init", "--target", str(target), "--out", str(drafter), "--block-size", "5"]) == 0
+    return target, drafter

@@ -1,0 +1,78 @@
+"""At T=1, ddtree's tokens follow the target's own distribution (the target samples at every node)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.sampling import choose_tokens
+from tests.helpers import tiny_pair
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+DRAWS = 4000
+
+
+def target_probs(target: object, prefixes: list[list[int]]) -> np.ndarray:
+    """Exact next-token probabilities `[len(prefixes), vocab]` from the HF model itself."""
+    model = target.model  # type: ignore[attr-defined]
+    with torch.no_grad():
+        logits = model(torch.tensor(prefixes)).logits[:, -1].double()
+    return torch.softmax(logits, dim=-1).numpy()
+
+
+def pooled_chisquare(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value, cells with expected count < 5 pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def test_ddtree_at_temperature_one_samples_the_target_distribution() -> None:
+    target, drafter = tiny_pair(11, vocab=VOCAB, block_size=4)
+    out = Engine(target, drafter).generate(
+        [PROMPT] * DRAWS, GenerationConfig(method="ddtree", budget=12, temperature=1.0, seed=5, max_new_tokens=3)
+    )
+    seqs = np.array([o.token_ids for o in out.outputs])  # [draws, 3]
+    accepted = sum(a - 1 for o in out.outputs for a in o.acceptance_lengths)
+    assert accepted > DRAWS // 4, "drafts must be accepted for the test to mean anything"
+
+    p1 = target_probs(target, [PROMPT])[0]  # [vocab]
+    p2_given_1 = target_probs(target, [[*PROMPT, a] for a in range(VOCAB)])  # [vocab, vocab]
+    joint12 = p1[:, None] * p2_given_1
+    pairs = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    p3_given_12 = target_probs(target, pairs).reshape(VOCAB, VOCAB, VOCAB)
+    p3 = (joint12[:, :, None] * p3_given_12).sum(axis=(0, 1))
+
+    count12 = np.zeros((VOCAB, VOCAB))
+    np.add.at(count12, (seqs[:, 0], seqs[:, 1]), 1)
+    count3 = np.bincount(seqs[:, 2], minlength=VOCAB)
+    assert pooled_chisquare(count12.ravel(), joint12.ravel()) > 1e-3
+    assert pooled_chisquare(count3, p3) > 1e-3
+    # The same test has power: the draws are not the greedy-only or the uniform distribution.
+    assert pooled_chisquare(count3, np.full(VOCAB, 1 / VOCAB)) < 1e-3
+
+
+def test_sampling_is_seeded() -> None:
+    target, drafter = tiny_pair(2, vocab=16, block_size=4)
+    engine = Engine(target, drafter)
+    cfg = GenerationConfig(method="ddtree", budget=8, temperature=0.8, seed=9, max_new_tokens=20)
+    a = engine.generate([[1, 2], [3]], cfg)
+    b = engine.generate([[1, 2], [3]], cfg)
+    c = engine.generate([[1, 2], [3]], GenerationConfig(**{**cfg.__dict__, "seed": 10}))
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert [o.token_ids for o in a.outputs] != [o.token_ids for o in c.outputs]
+
+
+def test_choose_tokens_greedy_and_gumbel() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    assert choose_tokens(logits, 0.0).tolist() == [1]
+    gen = torch.Generator().manual_seed(0)
+    draws = choose_tokens(logits.expand(20000, -1), 1.0, gen)
+    freq = torch.bincount(draws, minlength=3).double() / 20000
+    assert torch.allclose(freq, torch.softmax(logits[0].double(), -1), atol=0.015)

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from typing import Any
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from telemetry import semconv
+from telemetry.hooks import NOOP, NoopObserver
+from tests.helpers import random_prompts, tiny_pair
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def on_step_start(self, step: int, batch_size: int) -> None:
+        self.calls.append(("step_start", step))
+
+    def on_stage_start(self, stage: str) -> None:
+        self.calls.append(("start", stage))
+
+    def on_stage_end(self, stage: str) -> None:
+        self.calls.append(("end", stage))
+
+    def on_tree(self, tree: Any) -> None:
+        self.calls.append(("tree", int(tree.width)))
+
+    def on_accept(self, result: Any, accepted: list[int]) -> None:
+        self.calls.append(("accept", accepted))
+
+    def on_step_end(self, step: int) -> None:
+        self.calls.append(("step_end", step))
+
+
+def test_every_step_passes_the_four_stages_in_order() -> None:
+    target, drafter = tiny_pair(0, vocab=16)
+    rec = Recorder()
+    out = Engine(target, drafter, observer=rec).generate(
+        random_prompts(0, 2, vocab=16), GenerationConfig(method="ddtree", budget=8, max_new_tokens=10)
+    )
+    per_step = [c for c in rec.calls if c[0] in ("start", "end")]
+    expected = [(kind, s) for s in semconv.STAGES for kind in ("start", "end")]
+    assert per_step == expected * out.steps
+    accepted = [c[1] for c in rec.calls if c[0] == "accept"]
+    first = out.outputs[0].acceptance_lengths
+    assert [a[0] for a in accepted][: len(first)] == [a - 1 for a in first]
+    assert ("tree", 9) in rec.calls
+
+
+def test_the_default_observer_is_the_noop() -> None:
+    target, _ = tiny_pair(0)
+    assert Engine(target).observer is NOOP
+    assert isinstance(NOOP, NoopObserver)
