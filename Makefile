@@ -1,0 +1,36 @@
+# Everything a fresh machine needs: `make demo` runs the main job, `make test` runs the checks.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PAIR ?= runs/tiny-pair
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/ddtree: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(BIN)/ddtree
+
+setup: $(BIN)/ddtree
+
+$(PAIR)/target/config.json: | setup
+	$(BIN)/ddtree models init-tiny --out $(PAIR)/target
+	$(BIN)/ddtree drafter init --target $(PAIR)/target --out $(PAIR)/drafter --block-size 8
+
+demo: setup $(PAIR)/target/config.json
+	$(BIN)/ddtree generate --model $(PAIR)/target --drafter $(PAIR)/drafter --method ddtree \
+		--budget 32 --max-new-tokens 32 --prompt "Hello, tree" --json
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
