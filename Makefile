@@ -6,12 +6,12 @@ PAIR ?= runs/tiny-pair
 
 .PHONY: setup demo test lint clean
 
-$(BIN)/ddtree: pyproject.toml
+$(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(BIN)/ddtree
 
 setup: $(BIN)/ddtree
