@@ -1,4 +1,4 @@
-"""The `ddtree` command: generate, drafter init, models init-tiny."""
+"""The `ddtree` command: generate, bench, models (pull, init-tiny), drafter (init, data, train)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ddtree.errors import UserError
 
@@ -15,8 +14,7 @@ EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         result: int = args.func(args)
         return result
@@ -26,6 +24,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         sys.stderr.close()  # the reader went away (`| head`): end quietly
         return 0
+    except KeyboardInterrupt:
+        print("ddtree: interrupted", file=sys.stderr)
+        return 130
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with ar, dflash or ddtree decoding")
-    gen.add_argument("--model", required=True, help="target model directory (HF layout)")
+    gen.add_argument("--model", help="target model directory (HF layout); default: the default pair")
     gen.add_argument("--drafter", help="DFlash drafter directory (needed by dflash and ddtree)")
     gen.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="draft tree nodes per step (ddtree)")
@@ -41,8 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
+    _device_args(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeat for a batch")
@@ -50,26 +65,74 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_generate)
 
-    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
-        dest="drafter_command", required=True
-    )
-    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
-    init.add_argument("--target", required=True, help="target model directory")
-    init.add_argument("--out", required=True, help="output directory")
-    init.add_argument("--num-layers", type=int, default=1)
-    init.add_argument("--block-size", type=int, default=16)
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask/unk/pad token")
-    init.set_defaults(func=_drafter_init)
+    bench = sub.add_parser("bench", help="tau and speed of ar, dflash and ddtree on a prompt set, in one run")
+    bench.add_argument("--model", help="target directory; default: the default pair")
+    bench.add_argument("--drafter", help="drafter directory; default: the default pair's")
+    bench.add_argument("--prompts", help="JSONL file of {'prompt': ...}; default: the held-out set")
+    bench.add_argument("--methods", default="ar,dflash,ddtree")
+    bench.add_argument("--budgets", type=_int_list, default=[4, 8, 16, 32, 64])
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    _device_args(bench)
+    bench.add_argument("--json", dest="json_out", help="also write the rows to this JSON file")
+    bench.set_defaults(func=_bench)
 
     models = sub.add_parser("models", help="model tools").add_subparsers(dest="models_command", required=True)
+    pull = models.add_parser("pull", help="fetch and convert the default target (SmolLM2-135M-Instruct)")
+    pull.add_argument("name", nargs="?", default="smollm2-135m")
+    pull.set_defaults(func=_models_pull)
     tiny = models.add_parser("init-tiny", help="write a random tiny Llama target with a byte tokenizer")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.set_defaults(func=_models_init_tiny)
+
+    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
+        dest="drafter_command", required=True
+    )
+    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
+    init.add_argument("--target", required=True, help="target model directory")
+    init.add_argument("--out", required=True, help="output directory")
+    _drafter_shape_args(init, layers=1)
+    init.set_defaults(func=_drafter_init)
+
+    data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
+    data.add_argument("--target", help="target directory; default: the default target")
+    data.add_argument("--out", required=True, help="output JSONL file")
+    data.add_argument("--num-prompts", type=int, default=2000)
+    data.add_argument("--prompts", help="JSONL file of {'prompt': ...} instead of the built-in prompts")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--batch-size", type=int, default=64)
+    data.add_argument("--seed", type=int, default=0)
+    _device_args(data)
+    data.set_defaults(func=_drafter_data)
+
+    train = drafter.add_parser("train", help="train a DFlash drafter on the target's own responses")
+    train.add_argument("--target", help="target directory; default: the default target")
+    train.add_argument("--data", required=True, help="JSONL file from `ddtree drafter data`")
+    train.add_argument("--out", required=True, help="drafter directory (checkpoints land here too)")
+    _drafter_shape_args(train, layers=2)
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--max-len", type=int, default=512)
+    train.add_argument("--checkpoint-every", type=int, default=200)
+    train.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget (the schedule fits it)")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.set_defaults(func=_drafter_train)
     return parser
+
+
+def _drafter_shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
+    parser.add_argument("--num-layers", type=int, default=layers)
+    parser.add_argument("--num-features", type=int, default=None, help="target layers read (default: num-layers)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask/unk/pad token")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -88,17 +151,17 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
-        chat=args.chat,
+        chat=args.chat or (args.model is None and args.prompt is not None),
     )
     for record in run_generate(request):
         if args.json:
             print(json.dumps(record), flush=True)
         else:
             print(record["text"], flush=True)
+            lengths = record["acceptance_lengths"]
+            tau = sum(lengths) / len(lengths) if lengths else 0.0
             print(
-                f"[{record['steps']} steps, mean acceptance {_mean(record['acceptance_lengths']):.2f}, "
-                f"{record['tokens_per_second']:.1f} tokens/s]",
-                file=sys.stderr,
+                f"[{record['steps']} steps, tau {tau:.2f}, {record['tokens_per_second']:.1f} tokens/s]", file=sys.stderr
             )
     return 0
 
@@ -113,46 +176,95 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _mean(values: list[int]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _bench(args: argparse.Namespace) -> int:
+    from ddtree.bench import format_rows, heldout_prompts, rows_json, run_bench
+    from ddtree.runtime import eos_ids, load_pair, resolve_paths
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
+    if bad or not methods:
+        raise UserError(f"--methods takes ar, dflash and ddtree, got {args.methods!r}")
+    if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
+    prompts = heldout_prompts(args.prompts)[: args.limit]
+    model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
+    target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)
+    if tokenizer is None:
+        raise UserError("bench needs a model with a tokenizer")
+    rows = run_bench(
+        target,
+        drafter,
+        tokenizer,
+        prompts,
+        args.budgets,
+        args.max_new_tokens,
+        args.batch_size,
+        methods,
+        eos_ids(tokenizer, target),
+    )
+    print(
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, device {target.device}"
+    )
+    print(format_rows(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+    return 0
 
 
 def _drafter_init(args: argparse.Namespace) -> int:
-    import torch
+    from ddtree.models.dflash import save_drafter
+    from ddtree.train.setup import new_drafter
 
-    from ddtree.models.dflash import DFlashDrafter, drafter_config, save_drafter
-    from ddtree.models.target import read_target_config
-
-    if args.num_layers < 1:
-        raise UserError(f"--num-layers must be >= 1, got {args.num_layers}")
-    if args.block_size < 2:
-        raise UserError(f"--block-size must be >= 2, got {args.block_size}")
-    config = read_target_config(args.target)
-    mask = args.mask_token_id if args.mask_token_id is not None else _default_mask_token(args.target, config)
-    if not 0 <= mask < config.vocab_size:
-        raise UserError(f"--mask-token-id {mask} is outside the vocabulary (size {config.vocab_size})")
-    torch.manual_seed(args.seed)
-    drafter = DFlashDrafter(drafter_config(config, args.num_layers, args.block_size, mask))
+    drafter = new_drafter(
+        args.target, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+    )
     save_drafter(drafter, args.out)
     print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
     return 0
 
 
-def _default_mask_token(target: str, config: Any) -> int:
-    try:
-        from transformers import AutoTokenizer
+def _drafter_data(args: argparse.Namespace) -> int:
+    from ddtree.train.setup import make_data
 
-        tok = AutoTokenizer.from_pretrained(target)
-    except (OSError, ValueError):
-        return int(config.vocab_size) - 1
-    for name in ("<|mask|>", "<mask>", "[MASK]"):
-        token_id = tok.convert_tokens_to_ids(name)
-        if isinstance(token_id, int) and token_id != tok.unk_token_id and 0 <= token_id < config.vocab_size:
-            return token_id
-    for token_id in (tok.unk_token_id, tok.pad_token_id):
-        if token_id is not None:
-            return int(token_id)
-    return int(config.vocab_size) - 1
+    count = make_data(
+        args.target,
+        args.out,
+        args.num_prompts,
+        args.prompts,
+        args.max_new_tokens,
+        args.batch_size,
+        args.seed,
+        args.device,
+        args.dtype,
+    )
+    print(f"wrote {count} sequences to {args.out}")
+    return 0
+
+
+def _drafter_train(args: argparse.Namespace) -> int:
+    from ddtree.train.setup import run_training
+    from ddtree.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        lr=args.lr,
+        max_len=args.max_len,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+    )
+    report = run_training(args, config)
+    print(json.dumps(report))
+    return 0
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    from ddtree.models.pull import pull
+
+    print(pull(args.name))
+    return 0
 
 
 def _models_init_tiny(args: argparse.Namespace) -> int:

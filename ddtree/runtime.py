@@ -10,6 +10,7 @@ import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.errors import UserError
+from ddtree.models.default import default_drafter, default_target
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.target import Target, load_target, read_target_config
 
@@ -18,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    model: str
+    model: str | None  # None: the default pair
     drafter: str | None
     method: str = "ddtree"
     budget: int = 32
@@ -47,36 +48,50 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_request(request: GenerateRequest, vocab_size: int) -> None:
+def check_request(request: GenerateRequest, vocab_size: int | None = None) -> None:
+    """Check the request; the checks that need the vocabulary run when `vocab_size` is given."""
     if request.budget < 1:
         raise UserError(f"--budget must be >= 1, got {request.budget}")
-    if request.topk is not None and not 1 <= request.topk <= vocab_size:
-        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {request.topk}")
+    if request.topk is not None and request.topk < 1:
+        raise UserError(f"--topk must be >= 1, got {request.topk}")
     if request.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {request.temperature}")
     if request.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {request.max_new_tokens}")
-    if request.method != "ar" and request.drafter is None:
-        raise UserError(f"--method {request.method} needs --drafter DIR")
+    if vocab_size is None:
+        return
+    if request.topk is not None and request.topk > vocab_size:
+        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {request.topk}")
     for ids in request.prompt_ids or []:
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
             raise UserError(f"--prompt-ids has ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
 
 
-def load_pair(request: GenerateRequest) -> tuple[Target, DFlashDrafter | None, Any]:
-    """Check the request against the configs first, then load weights (cheap errors come first)."""
-    config = read_target_config(request.model)
-    check_request(request, int(config.vocab_size))
-    device = resolve_device(request.device)
-    dtype = resolve_dtype(request.dtype, device)
+def resolve_paths(model: str | None, drafter: str | None, method: str) -> tuple[str, str | None]:
+    """Fill in the default pair where no model is given; check that drafting methods have a drafter."""
+    if model is None:
+        drafter_dir = drafter or (str(default_drafter()) if method != "ar" else None)
+        return str(default_target()), drafter_dir
+    if method != "ar" and drafter is None:
+        raise UserError(f"--method {method} needs --drafter DIR")
+    return model, drafter
+
+
+def load_pair(
+    model: str, drafter_dir: str | None, device_name: str = "auto", dtype_name: str = "auto"
+) -> tuple[Target, DFlashDrafter | None, Any]:
+    """Load and check the target (and drafter). Configs are checked before any weights are read."""
+    config = read_target_config(model)
+    device = resolve_device(device_name)
+    dtype = resolve_dtype(dtype_name, device)
     drafter = None
-    if request.method != "ar" and request.drafter is not None:
-        drafter = load_drafter(request.drafter, device, dtype)
+    if drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, device, dtype)
         check_pair(drafter, config)
-    model = load_target(request.model, device, dtype)
-    target = Target(model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
-    return target, drafter, _load_tokenizer(request.model)
+    hf_model = load_target(model, device, dtype)
+    target = Target(hf_model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
+    return target, drafter, _load_tokenizer(model)
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -124,7 +139,12 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
 
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
-    target, drafter, tokenizer = load_pair(request)
+    check_request(request)
+    model, drafter_dir = resolve_paths(request.model, request.drafter, request.method)
+    check_request(request, int(read_target_config(model).vocab_size))
+    target, drafter, tokenizer = load_pair(
+        model, drafter_dir if request.method != "ar" else None, request.device, request.dtype
+    )
     prompts = encode_prompts(request, tokenizer)
     config = GenerationConfig(
         method=request.method,

@@ -1,6 +1,11 @@
-"""Tiny random pairs built in memory, in float64 so that greedy comparisons are exact."""
+"""Tiny random pairs built in memory, in float64 so that greedy comparisons are exact.
+
+`DDTREE_TEST_DEVICE=cuda` runs the same tests on a GPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,8 +32,9 @@ def tiny_pair(
     for p in drafter.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.3)
-    drafter = drafter.to(dtype).eval()
-    return Target(model, feature_layers=drafter.target_layer_ids), drafter
+    device = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
+    drafter = drafter.to(device=device, dtype=dtype).eval()
+    return Target(model.to(device), feature_layers=drafter.target_layer_ids), drafter
 
 
 def random_prompts(seed: int, batch: int, vocab: int, low: int = 1, high: int = 12) -> list[list[int]]:

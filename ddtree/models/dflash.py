@@ -14,6 +14,7 @@ non-causal inside the block, so all `block_size - 1` draft distributions come fr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,15 +133,50 @@ class DFlashDrafter(nn.Module):
         visible = torch.arange(key_span, device=context.device)[None, :] < new_lengths[:, None]  # [batch, span]
         ones = torch.ones((batch, block), dtype=torch.bool, device=context.device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
-        x = block_embeds
+
+        def context_kv(i: int, attn: DFlashAttention) -> tuple[torch.Tensor, torch.Tensor]:
+            cache.write(i, ctx_slots, *attn.project_kv(ctx, ctx_cos, ctx_sin))
+            return cache.read(i, key_span)
+
+        out = self._stack(block_embeds, cos, sin, mask, context_kv)
+        cache.lengths.copy_(new_lengths)
+        return out
+
+    def forward_blocks(
+        self,
+        block_embeds: torch.Tensor,
+        block_pos: torch.Tensor,
+        context: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward: many blocks at once over a whole sequence of context features.
+
+        `block_embeds` `[batch, q, hidden]` at `block_pos` `[batch, q]`; `context` `[batch, s, features]` at
+        positions `0..s-1`; `mask` `[batch, 1, q, s + q]` says which context and block keys each query sees.
+        """
+        ctx = self.hidden_norm(self.fc(context))
+        ctx_pos = torch.arange(context.shape[1], device=context.device).expand(context.shape[0], -1)
+        ctx_cos, ctx_sin = self.rotary(ctx, ctx_pos)
+        cos, sin = self.rotary(block_embeds, block_pos)
+
+        def context_kv(i: int, attn: DFlashAttention) -> tuple[torch.Tensor, torch.Tensor]:
+            return attn.project_kv(ctx, ctx_cos, ctx_sin)
+
+        return self._stack(block_embeds, cos, sin, mask, context_kv)
+
+    def _stack(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        context_kv: Callable[[int, DFlashAttention], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         layer: Any
         for i, layer in enumerate(self.layers):
             attn: DFlashAttention = layer.self_attn
-            k, v = attn.project_kv(ctx, ctx_cos, ctx_sin)
-            cache.write(i, ctx_slots, k, v)
-            x = x + attn(layer.input_layernorm(x), cos, sin, cache.read(i, key_span), mask)
+            x = x + attn(layer.input_layernorm(x), cos, sin, context_kv(i, attn), mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.lengths.copy_(new_lengths)
         out: torch.Tensor = self.norm(x)
         return out
 
@@ -188,11 +224,12 @@ def drafter_config(
     return Qwen3Config(**fields)
 
 
-def save_drafter(drafter: DFlashDrafter, out: str | Path) -> None:
+def save_drafter(drafter: DFlashDrafter, out: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (in `dtype`, default the drafter's own)."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     drafter.config.save_pretrained(directory)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 

@@ -163,7 +163,9 @@ def read_target_config(path: str | Path) -> Any:
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Load an HF causal LM from a directory, with a clear error when it can't be read."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     config = read_target_config(path)
     try:
         model: nn.Module = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=dtype)

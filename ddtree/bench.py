@@ -1,0 +1,113 @@
+"""`ddtree bench`: acceptance (tau) and speed of ar, dflash and ddtree on one prompt set, in one run.
+
+tau is the mean acceptance length: per verify step, accepted drafts + 1, averaged over all steps of all
+requests. Speed is new tokens over wall time; `speedup` is the ratio to `ar` in the same run, which is
+the only comparison these numbers support.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.errors import UserError
+from ddtree.models.target import Target
+from ddtree.train.data import chat_ids
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    method: str
+    budget: int | None
+    tau: float
+    steps: int
+    new_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method} B={self.budget}"
+
+
+def heldout_prompts(path: str | None = None) -> list[str]:
+    """The committed held-out prompts (none used in training), or a JSONL file of `{"prompt": ...}`."""
+    source = Path(path) if path else Path(str(resources.files("ddtree.data").joinpath("heldout_prompts.jsonl")))
+    try:
+        return [json.loads(line)["prompt"] for line in source.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read prompts from {str(source)!r}: {exc}") from exc
+
+
+def run_bench(
+    target: Target,
+    drafter: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    budgets: list[int],
+    max_new_tokens: int,
+    batch_size: int,
+    methods: list[str],
+    eos: tuple[int, ...],
+) -> list[BenchRow]:
+    engine = Engine(target, drafter)
+    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    runs: list[tuple[str, int | None]] = []
+    for method in methods:
+        runs += [(method, b) for b in budgets] if method == "ddtree" else [(method, None)]
+    warm = GenerationConfig(method=methods[-1], budget=budgets[0], max_new_tokens=4, eos_token_ids=eos)
+    engine.generate(encoded[:batch_size], warm)  # first-call costs stay out of the timings
+    rows = []
+    for method, budget in runs:
+        config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+        lengths: list[int] = []
+        steps, new_tokens, seconds = 0, 0, 0.0
+        for start in range(0, len(encoded), batch_size):
+            _sync(target.device)
+            result = engine.generate(encoded[start : start + batch_size], config)
+            _sync(target.device)
+            steps += result.steps
+            new_tokens += result.new_tokens
+            seconds += result.seconds
+            lengths += [a for o in result.outputs for a in o.acceptance_lengths]
+        tau = sum(lengths) / len(lengths) if lengths else 0.0
+        rows.append(BenchRow(method, budget, tau, steps, new_tokens, seconds))
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_rows(rows: list[BenchRow]) -> str:
+    base = next((r.tokens_per_second for r in rows if r.method == "ar"), None)
+    lines = [f"{'method':<14}{'tau':>7}{'steps':>8}{'tokens':>8}{'tok/s':>10}{'vs ar':>8}"]
+    for r in rows:
+        ratio = f"{r.tokens_per_second / base:.2f}x" if base else "-"
+        lines.append(f"{r.label:<14}{r.tau:>7.2f}{r.steps:>8}{r.new_tokens:>8}{r.tokens_per_second:>10.1f}{ratio:>8}")
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
+    return [
+        {
+            "method": r.method,
+            "budget": r.budget,
+            "tau": round(r.tau, 4),
+            "steps": r.steps,
+            "new_tokens": r.new_tokens,
+            "seconds": round(r.seconds, 4),
+            "tokens_per_second": round(r.tokens_per_second, 2),
+        }
+        for r in rows
+    ]

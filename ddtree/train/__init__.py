@@ -1,0 +1,1 @@
+"""Drafter training: prompts from installed text, the target's own responses, DFlash block-wise training."""

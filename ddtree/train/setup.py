@@ -1,0 +1,119 @@
+"""Glue for the `ddtree drafter` commands: build a drafter for a target, make data, run training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddtree.errors import UserError
+from ddtree.models.dflash import DFlashDrafter, check_pair, default_feature_layers, drafter_config
+from ddtree.models.target import read_target_config
+
+
+def default_mask_token(target: str, config: Any) -> int:
+    """The tokenizer's mask token if it has one, else unk, else pad, else the last id."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError):
+        return int(config.vocab_size) - 1
+    for name in ("<|mask|>", "<mask>", "[MASK]"):
+        token_id = tok.convert_tokens_to_ids(name)
+        if isinstance(token_id, int) and token_id != tok.unk_token_id and 0 <= token_id < config.vocab_size:
+            return token_id
+    for token_id in (tok.unk_token_id, tok.pad_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return int(config.vocab_size) - 1
+
+
+def new_drafter(
+    target: str, num_layers: int, num_features: int | None, block_size: int, mask_token_id: int | None, seed: int
+) -> DFlashDrafter:
+    """A randomly initialised drafter sized to the target in `target`."""
+    if num_layers < 1:
+        raise UserError(f"--num-layers must be >= 1, got {num_layers}")
+    if block_size < 2:
+        raise UserError(f"--block-size must be >= 2, got {block_size}")
+    if num_features is not None and num_features < 1:
+        raise UserError(f"--num-features must be >= 1, got {num_features}")
+    config = read_target_config(target)
+    mask = mask_token_id if mask_token_id is not None else default_mask_token(target, config)
+    if not 0 <= mask < config.vocab_size:
+        raise UserError(f"--mask-token-id {mask} is outside the vocabulary (size {config.vocab_size})")
+    layers = default_feature_layers(config.num_hidden_layers, num_features or num_layers)
+    torch.manual_seed(seed)
+    return DFlashDrafter(drafter_config(config, num_layers, block_size, mask, feature_layers=layers))
+
+
+def _target_dir(target: str | None) -> str:
+    if target is not None:
+        return target
+    from ddtree.models.default import default_target
+
+    return str(default_target())
+
+
+def make_data(
+    target: str | None,
+    out: str,
+    num_prompts: int,
+    prompts_file: str | None,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    device: str,
+    dtype: str,
+) -> int:
+    """Write the target's greedy responses to training prompts; returns the number of sequences."""
+    from ddtree.bench import heldout_prompts
+    from ddtree.runtime import eos_ids, load_pair
+    from ddtree.train.data import chat_ids, generate_responses, write_sequences
+    from ddtree.train.prompts import training_prompts
+
+    if num_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
+        raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
+    if prompts_file:
+        texts = heldout_prompts(prompts_file)[:num_prompts]
+    else:
+        texts = training_prompts(num_prompts, seed=seed, exclude=set(heldout_prompts()))
+    target_model, _, tokenizer = load_pair(_target_dir(target), None, device, dtype)
+    if tokenizer is None:
+        raise UserError("the target has no tokenizer")
+    ids = [chat_ids(tokenizer, t) for t in texts]
+    seqs = generate_responses(target_model, ids, max_new_tokens, eos_ids(tokenizer, target_model), batch_size)
+    write_sequences(out, seqs)
+    return len(seqs)
+
+
+def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    """Train a drafter per the `drafter train` arguments; returns the training report."""
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.runtime import resolve_device
+    from ddtree.train.data import read_sequences
+    from ddtree.train.trainer import train
+
+    if config.steps < 1 or config.batch_size < 1 or config.anchors < 1:
+        raise UserError("--steps, --batch-size and --anchors must be >= 1")
+    target_dir = _target_dir(args.target)
+    target_config = read_target_config(target_dir)
+    data = read_sequences(args.data)
+    device = resolve_device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    drafter = new_drafter(
+        target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+    )
+    check_pair(drafter, target_config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    target.to(device)
+    report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
+    (out / "training.json").write_text(json.dumps(report, indent=2))
+    return report
