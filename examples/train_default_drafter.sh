@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The recipe behind the shipped default drafter (ddtree/models/smollm2_dflash), for one CUDA GPU.
+#   examples/train_default_drafter.sh prepare GGUF WORK   # convert the target, write training data
+#   examples/train_default_drafter.sh train WORK MINUTES  # train the drafter in WORK/drafter
+#   examples/train_default_drafter.sh bench WORK          # tau and speed on the held-out prompts
+# PROMPTS (a JSONL file of {"prompt": ...}) overrides the built-in training prompts.
+set -euo pipefail
+PY=${PYTHON:-python3}
+cmd=$1
+case "$cmd" in
+  prepare)
+    gguf=$2 work=$3
+    mkdir -p "$work"
+    $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work/target"
+    $PY -m ddtree.cli drafter data --target "$work/target" --out "$work/data.jsonl" \
+      --num-prompts "${NUM_PROMPTS:-8000}" ${PROMPTS:+--prompts "$PROMPTS"} \
+      --max-new-tokens 256 --batch-size 256 --dtype bfloat16
+    ;;
+  train)
+    work=$2 minutes=$3
+    $PY -m ddtree.cli drafter train --target "$work/target" --data "$work/data.jsonl" --out "$work/drafter" \
+      --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size 32 --anchors 32 \
+      --lr 6e-4 --max-minutes "$minutes" --checkpoint-every 500
+    ;;
+  bench)
+    work=$2
+    $PY -m ddtree.cli bench --model "$work/target" --drafter "$work/drafter" --batch-size 64 \
+      --max-new-tokens 128 --json "$work/bench.json"
+    ;;
+  *)
+    echo "usage: $0 prepare GGUF WORK | train WORK MINUTES | bench WORK" >&2
+    exit 2
+    ;;
+esac
