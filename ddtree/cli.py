@@ -122,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=200)
     train.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget (the schedule fits it)")
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    train.add_argument("--init", help="start from this drafter's weights (its shape wins over the shape options)")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     train.set_defaults(func=_drafter_train)
     return parser

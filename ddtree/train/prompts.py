@@ -1,7 +1,10 @@
-"""Training prompts from text that every Python install has: the standard library's docstrings.
+"""Training prompts from text that installs here, in three kinds, mixed evenly:
 
-Each documented function or class gives a few prompts (explain it, use it, summarise its docstring).
-Debian's `fortunes` files, when installed, add prose prompts. The order is deterministic for a seed.
+- code: the standard library's docstrings (explain a function, use it, write one like it);
+- topics: words from Debian's word list (`wamerican`, /usr/share/dict/words) in everyday requests;
+- prose: sayings from Debian's `fortunes`.
+
+Sources that are not installed are skipped. The order is deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import random
 import re
 import warnings
 from collections.abc import Iterator
+from itertools import zip_longest
 from pathlib import Path
 
 STDLIB_MODULES = (  # noqa: SIM905
@@ -27,6 +31,7 @@ STDLIB_MODULES = (  # noqa: SIM905
 ).split()
 
 FORTUNE_DIRS = (Path("/usr/share/games/fortunes"), Path("/usr/share/fortunes"))
+WORD_LISTS = (Path("/usr/share/dict/words"),)
 
 TEMPLATES = (
     "Explain what `{qual}` does in Python, and show a short example.",
@@ -39,6 +44,16 @@ PROSE_TEMPLATES = (
     "What does this saying mean? {text}",
     "Write a short story that ends with: {text}",
     "Explain the joke or the idea: {text}",
+)
+TOPIC_TEMPLATES = (
+    "Write a short poem about {word}.",
+    "What is the meaning of the word '{word}'? Use it in two sentences.",
+    "Write a short story in which {word} plays an important part.",
+    "Give three interesting facts related to {word}.",
+    "Explain {word} to a ten-year-old.",
+    "Write a short paragraph describing {word}.",
+    "Write a Python function whose job has something to do with {word}, and explain it.",
+    "What questions would you ask an expert on {word}? List three.",
 )
 
 
@@ -83,10 +98,33 @@ def fortune_texts(limit: int = 3000) -> list[str]:
     return texts[:limit]
 
 
+def topic_words(limit: int = 20000) -> list[str]:
+    words: set[str] = set()
+    for path in WORD_LISTS:
+        try:
+            lines = path.read_text(errors="ignore").split()
+        except OSError:
+            continue
+        words.update(w for w in lines if w.isalpha() and w.islower() and 4 <= len(w) <= 12)
+    return sorted(words)[:limit] if len(words) <= limit else random.Random(0).sample(sorted(words), limit)
+
+
 def training_prompts(count: int, seed: int = 0, exclude: set[str] | None = None) -> list[str]:
-    """Up to `count` distinct prompts, shuffled by `seed`, none of them in `exclude`."""
-    prompts = [t.format(qual=q, summary=s) for q, s in docstring_items() for t in TEMPLATES]
-    prompts += [t.format(text=x) for x in fortune_texts() for t in PROSE_TEMPLATES[:1]]
-    unique = sorted(set(prompts) - (exclude or set()))
-    random.Random(seed).shuffle(unique)
-    return unique[:count]
+    """Up to `count` distinct prompts, the kinds interleaved, shuffled by `seed`, none in `exclude`."""
+    rng = random.Random(seed)
+    code = [t.format(qual=q, summary=s) for q, s in docstring_items() for t in TEMPLATES]
+    topics = [rng.choice(TOPIC_TEMPLATES).format(word=w) for w in topic_words()]
+    prose = [rng.choice(PROSE_TEMPLATES).format(text=x) for x in fortune_texts()]
+    pools = []
+    for pool in (code, topics, prose):
+        unique = sorted(set(pool) - (exclude or set()))
+        rng.shuffle(unique)
+        pools.append(unique)
+    mixed: list[str] = []
+    seen: set[str] = set()
+    for group in zip_longest(*pools):
+        for prompt in group:
+            if prompt is not None and prompt not in seen:
+                seen.add(prompt)
+                mixed.append(prompt)
+    return mixed[:count]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ddtree.errors import UserError
-from ddtree.models.dflash import DFlashDrafter, check_pair, default_feature_layers, drafter_config
+from ddtree.models.dflash import DFlashDrafter, check_pair, default_feature_layers, drafter_config, load_drafter
 from ddtree.models.target import read_target_config
 
 
@@ -107,9 +107,12 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     device = resolve_device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    drafter = new_drafter(
-        target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
-    )
+    if args.init:
+        drafter = load_drafter(args.init, device, torch.float32)
+    else:
+        drafter = new_drafter(
+            target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+        )
     check_pair(drafter, target_config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
