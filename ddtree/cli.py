@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ddtree.errors import UserError
+from telemetry.config import TelemetryConfigError
 
 EXIT_USAGE = 2
 
@@ -18,11 +20,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.func(args)
         return result
-    except UserError as exc:
+    except (UserError, TelemetryConfigError) as exc:
         print(f"ddtree: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
-        sys.stderr.close()  # the reader went away (`| head`): end quietly
+        # The reader went away (`| head`): end quietly, without a second error when Python flushes stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
         print("ddtree: interrupted", file=sys.stderr)

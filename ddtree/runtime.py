@@ -13,6 +13,7 @@ from ddtree.errors import UserError
 from ddtree.models.default import default_drafter, default_target
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.target import Target, load_target, read_target_config
+from telemetry import TelemetryConfig, start_telemetry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -140,6 +141,7 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
+    TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
     model, drafter_dir = resolve_paths(request.model, request.drafter, request.method)
     check_request(request, int(read_target_config(model).vocab_size))
     target, drafter, tokenizer = load_pair(
@@ -155,7 +157,15 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
         max_new_tokens=request.max_new_tokens,
         eos_token_ids=eos_ids(tokenizer, target),
     )
-    result = Engine(target, drafter).generate(prompts, config)
+    telemetry = start_telemetry(
+        device_type=target.device.type,
+        model_name=str(getattr(target.config, "_name_or_path", "") or model),
+        detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
+    )
+    try:
+        result = Engine(target, drafter, observer=telemetry.observer).generate(prompts, config)
+    finally:
+        telemetry.shutdown()
     for out in result.outputs:
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else ""
         yield {

@@ -6,6 +6,7 @@ methods do nothing, allocate nothing and import nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -13,7 +14,32 @@ if TYPE_CHECKING:
     from ddtree.verify import AcceptResult
 
 
+@dataclass(frozen=True)
+class GenerateInfo:
+    """What a `generate` call decodes: one entry per request in the lists."""
+
+    method: str
+    budget: int
+    topk: int | None
+    temperature: float
+    max_new_tokens: int
+    seed: int
+    request_ids: list[str]
+    prompt_tokens: list[list[int]]
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    output_tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str  # "stop" (end of sequence) or "length"
+
+
 class StepObserver(Protocol):
+    def on_generate_start(self, info: GenerateInfo) -> None:
+        """A batch of requests begins (before prefill)."""
+
     def on_step_start(self, step: int, batch_size: int) -> None:
         """A decode step begins."""
 
@@ -29,12 +55,18 @@ class StepObserver(Protocol):
     def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
         """The accept result; `accepted` is the per-request count of accepted drafts, already on the host."""
 
-    def on_step_end(self, step: int) -> None:
-        """The step's tokens have reached the host."""
+    def on_step_end(self, step: int, emitted: list[int]) -> None:
+        """The step's tokens reached the host; `emitted` counts the tokens each request kept this step."""
+
+    def on_generate_end(self, results: list[RequestResult]) -> None:
+        """All requests of the batch are done."""
 
 
 class NoopObserver:
     """Observes nothing. Every hook is an empty method."""
+
+    def on_generate_start(self, info: GenerateInfo) -> None:
+        pass
 
     def on_step_start(self, step: int, batch_size: int) -> None:
         pass
@@ -51,7 +83,10 @@ class NoopObserver:
     def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
         pass
 
-    def on_step_end(self, step: int) -> None:
+    def on_step_end(self, step: int, emitted: list[int]) -> None:
+        pass
+
+    def on_generate_end(self, results: list[RequestResult]) -> None:
         pass
 
 

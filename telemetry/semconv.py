@@ -1,19 +1,136 @@
-"""Every span, stage and attribute name in one place. Dashboards and tests import these."""
+"""Every span, metric, attribute and log-field name, unit and bucket, in one place.
+
+Dashboards and tests import these. Metric names are the OTel instrument names; the Prometheus exporter
+adds `_total` to counters and the unit (`_seconds`) to durations. `PROM_*` are the names as scraped.
+"""
 
 from __future__ import annotations
 
 from typing import Final
 
+# Stages of one decode step, in order.
 STAGE_DRAFT: Final = "draft"
 STAGE_TREE_BUILD: Final = "tree_build"
 STAGE_VERIFY: Final = "verify"
 STAGE_ACCEPT: Final = "accept"
 STAGES: Final = (STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_VERIFY, STAGE_ACCEPT)
 
-SPAN_STEP: Final = "ddtree.step"
+# Spans.
 SPAN_PREFIX: Final = "ddtree."
+SPAN_STEP: Final = "ddtree.step"
+SPAN_REQUEST: Final = "ddtree.request"
+INSTRUMENTATION_SCOPE: Final = "ddtree"
 
 
 def stage_span_name(stage: str) -> str:
     """`draft` -> `ddtree.draft`."""
     return SPAN_PREFIX + stage
+
+
+# Step span attributes.
+ATTR_METHOD: Final = "ddtree.method"
+ATTR_BATCH_SIZE: Final = "ddtree.batch_size"
+ATTR_BUDGET: Final = "ddtree.budget"
+ATTR_TOPK: Final = "ddtree.topk"
+ATTR_TREE_NODES: Final = "ddtree.tree.nodes"
+ATTR_TREE_DEPTH: Final = "ddtree.tree.depth"
+ATTR_ACCEPTED_TOKENS: Final = "ddtree.accepted_tokens"
+ATTR_MEAN_ACCEPTANCE: Final = "ddtree.mean_acceptance_length"
+ATTR_STEP_INDEX: Final = "ddtree.step.index"
+ATTR_REQUEST_ID: Final = "ddtree.request.id"
+
+# Request span attributes (OTel GenAI semantic conventions).
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_SYSTEM: Final = "gen_ai.system"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE: Final = "gen_ai.request.temperature"
+GEN_AI_REQUEST_SEED: Final = "gen_ai.request.seed"
+GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+GEN_AI_PROMPT: Final = "gen_ai.prompt"  # content: only with DDTREE_LOG_CONTENT=1
+GEN_AI_COMPLETION: Final = "gen_ai.completion"  # content: only with DDTREE_LOG_CONTENT=1
+GEN_AI_OPERATION_TEXT_COMPLETION: Final = "text_completion"
+GEN_AI_SYSTEM_DDTREE: Final = "ddtree"
+
+# Metrics: instrument names, as the OTel SDK sees them.
+METRIC_STEPS: Final = "ddtree_steps"
+METRIC_DRAFT_TOKENS: Final = "ddtree_draft_tokens"
+METRIC_ACCEPTED_TOKENS: Final = "ddtree_accepted_tokens"
+METRIC_EMITTED_TOKENS: Final = "ddtree_emitted_tokens"
+METRIC_ACCEPTED_PER_DEPTH: Final = "ddtree_accepted_tokens_per_depth"
+METRIC_TREE_NODES_PER_DEPTH: Final = "ddtree_tree_nodes_per_depth"
+METRIC_ACCEPTANCE_LENGTH: Final = "ddtree_acceptance_length"
+METRIC_TREE_NODES: Final = "ddtree_tree_nodes"
+METRIC_STAGE_DURATION: Final = "ddtree_stage_duration"
+METRIC_GPU_UTILIZATION: Final = "ddtree_gpu_utilization"
+METRIC_GPU_MEMORY_USED: Final = "ddtree_gpu_memory_used"
+METRIC_GPU_POWER: Final = "ddtree_gpu_power"
+METRIC_GPU_SM_CLOCK: Final = "ddtree_gpu_sm_clock"
+METRIC_GPU_TEMPERATURE: Final = "ddtree_gpu_temperature"
+METRIC_DROPPED_SPANS: Final = "ddtree_dropped_spans"
+
+UNIT_SECONDS: Final = "s"
+UNIT_PERCENT: Final = "percent"
+UNIT_BYTES: Final = "By"
+UNIT_WATTS: Final = "W"
+UNIT_HERTZ: Final = "Hz"
+UNIT_CELSIUS: Final = "Cel"
+
+# Metric attributes.
+LABEL_DEPTH: Final = "depth"
+LABEL_STAGE: Final = "stage"
+LABEL_METHOD: Final = "method"
+LABEL_GPU: Final = "gpu"
+
+# The names Prometheus serves.
+PROM_STEPS_TOTAL: Final = "ddtree_steps_total"
+PROM_DRAFT_TOKENS_TOTAL: Final = "ddtree_draft_tokens_total"
+PROM_ACCEPTED_TOKENS_TOTAL: Final = "ddtree_accepted_tokens_total"
+PROM_EMITTED_TOKENS_TOTAL: Final = "ddtree_emitted_tokens_total"
+PROM_ACCEPTED_PER_DEPTH_TOTAL: Final = "ddtree_accepted_tokens_per_depth_total"
+PROM_TREE_NODES_PER_DEPTH_TOTAL: Final = "ddtree_tree_nodes_per_depth_total"
+PROM_ACCEPTANCE_LENGTH: Final = "ddtree_acceptance_length"
+PROM_TREE_NODES: Final = "ddtree_tree_nodes"
+PROM_STAGE_DURATION_SECONDS: Final = "ddtree_stage_duration_seconds"
+
+# Histogram buckets.
+ACCEPTANCE_LENGTH_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
+TREE_NODES_BUCKETS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+STAGE_DURATION_BUCKETS: Final = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+# Log events and fields.
+EVENT_STEP: Final = "ddtree.step"
+EVENT_REQUEST: Final = "ddtree.request"
+EVENT_TELEMETRY: Final = "ddtree.telemetry"
+FIELD_STEP: Final = "step"
+FIELD_METHOD: Final = "method"
+FIELD_BATCH_SIZE: Final = "batch_size"
+FIELD_BUDGET: Final = "budget"
+FIELD_TOPK: Final = "topk"
+FIELD_TREE_NODES: Final = "tree_nodes"
+FIELD_NODES_PER_DEPTH: Final = "nodes_per_depth"
+FIELD_ACCEPTED_DRAFTS: Final = "accepted_drafts"
+FIELD_ACCEPTED_PER_DEPTH: Final = "accepted_per_depth"
+FIELD_STAGE_MS: Final = "stage_ms"
+FIELD_REQUEST_IDS: Final = "request_ids"
+FIELD_TRACE_ID: Final = "trace_id"

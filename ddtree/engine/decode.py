@@ -7,6 +7,7 @@ Per step exactly one device->host transfer happens: the accepted tokens, which t
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
 from ddtree.verify import accept, ancestor_mask
 from telemetry import semconv
-from telemetry.hooks import NOOP, StepObserver
+from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,19 @@ class Engine:
         self.observer = observer
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], config: GenerationConfig) -> GenerationResult:
+    def generate(
+        self, prompts: list[list[int]], config: GenerationConfig, request_ids: list[str] | None = None
+    ) -> GenerationResult:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         started = time.perf_counter()
         target, obs = self.target, self.observer
         device = target.device
         proposer = make_proposer(config.method, target, self.drafter, config.budget, config.topk)
+        observed = obs is not NOOP
+        if observed:
+            ids = request_ids or [uuid.uuid4().hex for _ in prompts]
+            obs.on_generate_start(_info(config, ids, prompts, proposer.width - 1))
         batch = len(prompts)
         block = self.drafter.block_size if self.drafter is not None else 1
         capacity = max(len(p) for p in prompts) + config.max_new_tokens + 2 * proposer.width + block
@@ -113,16 +120,21 @@ class Engine:
 
             accepted = [row[0] for row in host]
             obs.on_accept(result, accepted)
+            emitted = [0] * batch
             for b, (out, row) in enumerate(zip(outputs, host, strict=True)):
                 if out.finished:
                     continue
                 n = row[0]
                 out.acceptance_lengths.append(n + 1)
                 host_lengths[b] += n + 1
+                before = len(out.token_ids)
                 _emit(out, [*row[2 : 2 + n], row[-1]], config.max_new_tokens, eos)
+                emitted[b] = len(out.token_ids) - before
             active = torch.tensor([not o.finished for o in outputs], device=device)
-            obs.on_step_end(step)
+            obs.on_step_end(step, emitted)
             step += 1
+        if observed:
+            obs.on_generate_end(_results(ids, outputs, eos))
         return GenerationResult(outputs=outputs, steps=step, seconds=time.perf_counter() - started)
 
     def _prefill(
@@ -143,6 +155,31 @@ class Engine:
         cache.lengths.copy_(lengths)
         first = choose_tokens(out.logits[:, 0], temperature, generator)
         return first, out.features, lengths
+
+
+def _info(config: GenerationConfig, request_ids: list[str], prompts: list[list[int]], budget: int) -> GenerateInfo:
+    return GenerateInfo(
+        method=config.method,
+        budget=budget,
+        topk=1 if config.method == "dflash" else config.topk,
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        request_ids=request_ids,
+        prompt_tokens=prompts,
+    )
+
+
+def _results(request_ids: list[str], outputs: list[RequestOutput], eos: set[int]) -> list[RequestResult]:
+    return [
+        RequestResult(
+            request_id=rid,
+            output_tokens=out.token_ids,
+            acceptance_lengths=out.acceptance_lengths,
+            finish_reason="stop" if out.token_ids and out.token_ids[-1] in eos else "length",
+        )
+        for rid, out in zip(request_ids, outputs, strict=True)
+    ]
 
 
 def _emit(out: RequestOutput, tokens: list[int], limit: int, eos: set[int]) -> None:

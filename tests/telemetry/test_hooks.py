@@ -27,8 +27,14 @@ class Recorder:
     def on_accept(self, result: Any, accepted: list[int]) -> None:
         self.calls.append(("accept", accepted))
 
-    def on_step_end(self, step: int) -> None:
-        self.calls.append(("step_end", step))
+    def on_step_end(self, step: int, emitted: list[int]) -> None:
+        self.calls.append(("step_end", emitted))
+
+    def on_generate_start(self, info: Any) -> None:
+        self.calls.append(("generate_start", info.request_ids))
+
+    def on_generate_end(self, results: Any) -> None:
+        self.calls.append(("generate_end", [len(r.output_tokens) for r in results]))
 
 
 def test_every_step_passes_the_four_stages_in_order() -> None:
@@ -44,6 +50,10 @@ def test_every_step_passes_the_four_stages_in_order() -> None:
     first = out.outputs[0].acceptance_lengths
     assert [a[0] for a in accepted][: len(first)] == [a - 1 for a in first]
     assert ("tree", 9) in rec.calls
+    assert rec.calls[0][0] == "generate_start" and len(rec.calls[0][1]) == 2
+    assert rec.calls[-1] == ("generate_end", [10, 10])
+    emitted = [c[1] for c in rec.calls if c[0] == "step_end"]
+    assert [sum(e[b] for e in emitted) for b in range(2)] == [9, 9], "the first token comes from prefill"
 
 
 def test_the_default_observer_is_the_noop() -> None:

@@ -1,0 +1,171 @@
+"""The zero-sync collector: a `StepObserver` that turns hook calls into per-step statistics.
+
+Values already on the host (accepted counts, emitted counts) are used as they are. Device values (tree
+sizes per depth) are copied with `non_blocking=True` into pinned buffers behind a recorded event, and
+stage times are CUDA events; a step's record is resolved only once its last event has completed, at a
+later hook call. Nothing here calls `.item()`, `.tolist()`, `.cpu()` or a synchronize during a step.
+Resolved `StepStats` go to sinks (metrics, logs, traces), which never touch the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.timing import StageClock, clock_for
+
+if TYPE_CHECKING:
+    from ddtree.tree import DraftTree
+    from ddtree.verify import AcceptResult
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    info: GenerateInfo
+    active: list[bool]  # per request: still decoding during this step
+    tree_nodes: list[int]  # per active request
+    nodes_per_depth: list[int]  # index d: nodes at depth d over active requests (index 0 unused)
+    accepted: list[int]  # per active request: accepted drafts
+    accepted_per_depth: list[int]
+    emitted: list[int]  # per active request
+    stage_ns: dict[str, tuple[int, int]]  # stage -> (start, end), wall-clock ns
+    start_ns: int
+    end_ns: int
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for rid, a in zip(self.info.request_ids, self.active, strict=True) if a]
+
+    @property
+    def tree_depth(self) -> int:
+        return max((d for d, n in enumerate(self.nodes_per_depth) if n), default=0)
+
+
+class StatsSink(Protocol):
+    def start_requests(self, info: GenerateInfo) -> None: ...
+
+    def step(self, stats: StepStats) -> None: ...
+
+    def end_requests(self, info: GenerateInfo, results: list[RequestResult]) -> None: ...
+
+
+@dataclass
+class _Pending:
+    step: int
+    wall_ns: int
+    marks: list[Any]
+    stages: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> mark indices
+    depth_counts: torch.Tensor | None = None  # [batch, nodes] host buffer, filled asynchronously
+    accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+
+
+class Collector:
+    """Implements `telemetry.hooks.StepObserver`."""
+
+    def __init__(self, sinks: list[StatsSink], device_type: str = "cpu") -> None:
+        self.sinks = sinks
+        self.clock: StageClock = clock_for(device_type)
+        self.pinned = device_type == "cuda"
+        self.info: GenerateInfo | None = None
+        self.pending: deque[_Pending] = deque()
+        self.current: _Pending | None = None
+        self.open_stage: tuple[str, int] | None = None
+
+    def on_generate_start(self, info: GenerateInfo) -> None:
+        self.info = info
+        for sink in self.sinks:
+            sink.start_requests(info)
+
+    def on_step_start(self, step: int, batch_size: int) -> None:
+        self._drain()
+        self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()])
+
+    def on_stage_start(self, stage: str) -> None:
+        assert self.current is not None
+        self.current.marks.append(self.clock.mark())
+        self.open_stage = (stage, len(self.current.marks) - 1)
+
+    def on_stage_end(self, stage: str) -> None:
+        assert self.current is not None and self.open_stage is not None
+        self.current.marks.append(self.clock.mark())
+        self.current.stages[stage] = (self.open_stage[1], len(self.current.marks) - 1)
+        self.open_stage = None
+
+    def on_tree(self, tree: DraftTree) -> None:
+        assert self.current is not None
+        counts = torch.zeros(tree.depths.shape, dtype=torch.int32, device=tree.depths.device)  # [batch, nodes]
+        counts.scatter_add_(1, tree.depths, tree.valid.to(torch.int32))
+        host = torch.empty(counts.shape, dtype=torch.int32, pin_memory=self.pinned)
+        host.copy_(counts, non_blocking=True)
+        self.current.depth_counts = host
+
+    def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
+        assert self.current is not None
+        self.current.accepted = accepted
+
+    def on_step_end(self, step: int, emitted: list[int]) -> None:
+        assert self.current is not None
+        self.current.emitted = emitted
+        self.current.marks.append(self.clock.mark())  # completes after the copies above
+        self.pending.append(self.current)
+        self.current = None
+        self._drain()
+
+    def on_generate_end(self, results: list[RequestResult]) -> None:
+        # The engine has read the last step's tokens, so these events are complete: this never waits.
+        self._drain(wait=True)
+        assert self.info is not None
+        for sink in self.sinks:
+            sink.end_requests(self.info, results)
+        self.info = None
+
+    def _drain(self, wait: bool = False) -> None:
+        while self.pending and (wait or self.clock.ready(self.pending[0].marks)):
+            record = self.pending.popleft()
+            if wait and not self.clock.ready(record.marks):
+                record.marks[-1].synchronize()
+            stats = self._resolve(record)
+            for sink in self.sinks:
+                sink.step(stats)
+
+    def _resolve(self, record: _Pending) -> StepStats:
+        assert self.info is not None
+        wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
+        active = [e > 0 for e in record.emitted]
+        rows = record.depth_counts.numpy() if record.depth_counts is not None else None  # [batch, nodes]
+        per_depth = [0] * (rows.shape[1] if rows is not None else 1)
+        nodes: list[int] = []
+        for b, is_active in enumerate(active):
+            if not is_active:
+                continue
+            if rows is not None:
+                nodes.append(int(rows[b, 1:].sum()))
+                for d in range(1, rows.shape[1]):
+                    per_depth[d] += int(rows[b, d])
+            else:
+                nodes.append(0)
+        accepted = [n for n, a in zip(record.accepted, active, strict=True) if a]
+        accepted_per_depth = [0] * len(per_depth)
+        for n in accepted:
+            for d in range(1, n + 1):
+                accepted_per_depth[d] += 1
+        return StepStats(
+            step=record.step,
+            info=self.info,
+            active=active,
+            tree_nodes=nodes,
+            nodes_per_depth=per_depth,
+            accepted=accepted,
+            accepted_per_depth=accepted_per_depth,
+            emitted=[e for e in record.emitted if e > 0],
+            stage_ns={s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()},
+            start_ns=wall[0],
+            end_ns=wall[-1],
+        )

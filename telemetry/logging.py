@@ -1,0 +1,92 @@
+"""structlog set-up: one JSON object per line (or console lines), to stderr, stdout or a file.
+
+Prompt and completion content is logged only when `DDTREE_LOG_CONTENT` opts in.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Any, TextIO, cast
+
+import structlog
+
+from telemetry import semconv as sc
+from telemetry.collector import StepStats
+from telemetry.config import TelemetryConfig, TelemetryConfigError
+from telemetry.hooks import GenerateInfo, RequestResult
+
+
+def open_log_stream(config: TelemetryConfig) -> IO[str]:
+    """The stream the logs go to. An unwritable file is a clear error, raised at start-up."""
+    if config.log_file is None:
+        return sys.stderr
+    if config.log_file == "-":
+        return sys.stdout
+    try:
+        return open(config.log_file, "a", buffering=1, encoding="utf-8")
+    except OSError as exc:
+        raise TelemetryConfigError(f"DDTREE_LOG_FILE {config.log_file!r} is not writable: {exc.strerror}") from exc
+
+
+def make_logger(config: TelemetryConfig, stream: IO[str]) -> Any:
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if config.log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    return structlog.wrap_logger(
+        structlog.PrintLogger(file=cast(TextIO, stream)),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+    )
+
+
+class LogSink:
+    """`ddtree.step` per decode step and `ddtree.request` per finished request."""
+
+    def __init__(self, logger: Any, log_content: bool = False, trace_ids: Any = None) -> None:
+        self.log = logger
+        self.log_content = log_content
+        self.trace_ids = trace_ids  # callable: step stats -> trace id hex, or None
+
+    def start_requests(self, info: GenerateInfo) -> None:
+        pass
+
+    def step(self, stats: StepStats) -> None:
+        depth = stats.tree_depth
+        fields: dict[str, Any] = {
+            sc.FIELD_STEP: stats.step,
+            sc.FIELD_METHOD: stats.info.method,
+            sc.FIELD_BATCH_SIZE: len(stats.info.request_ids),
+            sc.FIELD_BUDGET: stats.info.budget,
+            sc.FIELD_TOPK: stats.info.topk,
+            sc.FIELD_TREE_NODES: stats.tree_nodes,
+            sc.FIELD_NODES_PER_DEPTH: stats.nodes_per_depth[1 : depth + 1],
+            sc.FIELD_ACCEPTED_DRAFTS: stats.accepted,
+            sc.FIELD_ACCEPTED_PER_DEPTH: stats.accepted_per_depth[1 : depth + 1],
+            "emitted": stats.emitted,
+            sc.FIELD_STAGE_MS: {s: round((e - b) / 1e6, 4) for s, (b, e) in stats.stage_ns.items()},
+            sc.FIELD_REQUEST_IDS: stats.request_ids,
+            sc.FIELD_TRACE_ID: self.trace_ids(stats) if self.trace_ids else None,
+        }
+        self.log.info(sc.EVENT_STEP, **fields)
+
+    def end_requests(self, info: GenerateInfo, results: list[RequestResult]) -> None:
+        for prompt, result in zip(info.prompt_tokens, results, strict=True):
+            lengths = result.acceptance_lengths
+            fields: dict[str, Any] = {
+                "request_id": result.request_id,
+                "method": info.method,
+                "prompt_tokens": len(prompt),
+                "output_tokens": len(result.output_tokens),
+                "steps": len(lengths),
+                "mean_acceptance_length": round(sum(lengths) / len(lengths), 4) if lengths else None,
+                "finish_reason": result.finish_reason,
+            }
+            if self.log_content:
+                fields["prompt_token_ids"] = prompt
+                fields["output_token_ids"] = result.output_tokens
+            self.log.info(sc.EVENT_REQUEST, **fields)

@@ -1,0 +1,61 @@
+"""NVML sampler: one daemon thread reads each GPU's utilisation, memory, power, SM clock and temperature
+at a fixed interval and sets OTel gauges. Without NVML it logs one line and does nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from telemetry import semconv as sc
+
+
+class NvmlSampler:
+    def __init__(self, meter: Any, interval_ms: int, log: Any) -> None:
+        self.interval = interval_ms / 1000
+        self.log = log
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.gauges = {
+            "util": meter.create_gauge(sc.METRIC_GPU_UTILIZATION, unit=sc.UNIT_PERCENT, description="GPU busy time"),
+            "mem": meter.create_gauge(sc.METRIC_GPU_MEMORY_USED, unit=sc.UNIT_BYTES, description="GPU memory used"),
+            "power": meter.create_gauge(sc.METRIC_GPU_POWER, unit=sc.UNIT_WATTS, description="GPU power draw"),
+            "clock": meter.create_gauge(sc.METRIC_GPU_SM_CLOCK, unit=sc.UNIT_HERTZ, description="SM clock"),
+            "temp": meter.create_gauge(sc.METRIC_GPU_TEMPERATURE, unit=sc.UNIT_CELSIUS, description="GPU temperature"),
+        }
+
+    def start(self) -> bool:
+        """Start sampling; False (with one log line) when NVML or a GPU is not there."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception as exc:  # NVML missing, no driver, no GPU: all mean "no samples"
+            self.log.info(sc.EVENT_TELEMETRY, nvml="unavailable", reason=str(exc) or type(exc).__name__)
+            return False
+        self.thread = threading.Thread(target=self._run, args=(pynvml, handles), name="ddtree-nvml", daemon=True)
+        self.thread.start()
+        return True
+
+    def _run(self, nvml: Any, handles: list[Any]) -> None:
+        while not self.stop_event.is_set():
+            for index, handle in enumerate(handles):
+                try:
+                    self._sample(nvml, handle, {sc.LABEL_GPU: str(index)})
+                except Exception as exc:  # a failing query must not end decoding
+                    self.log.info(sc.EVENT_TELEMETRY, nvml="sample failed", reason=str(exc))
+                    return
+            self.stop_event.wait(self.interval)
+
+    def _sample(self, nvml: Any, handle: Any, labels: dict[str, str]) -> None:
+        self.gauges["util"].set(nvml.nvmlDeviceGetUtilizationRates(handle).gpu, labels)
+        self.gauges["mem"].set(nvml.nvmlDeviceGetMemoryInfo(handle).used, labels)
+        self.gauges["power"].set(nvml.nvmlDeviceGetPowerUsage(handle) / 1000, labels)
+        self.gauges["clock"].set(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6, labels)
+        self.gauges["temp"].set(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), labels)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2)

@@ -1,0 +1,52 @@
+"""Stage clocks. On CUDA a mark is a recorded event, resolved later when it has completed (never a
+sync); on CPU a mark is `perf_counter_ns`. Either way, resolved marks become wall-clock nanoseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+
+class StageClock(Protocol):
+    def mark(self) -> Any:
+        """Record now (on the device's stream for CUDA)."""
+
+    def ready(self, marks: list[Any]) -> bool:
+        """True when every mark can be read without waiting."""
+
+    def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
+        """Wall-clock times of `marks`, given the wall time of the first one. Call only when ready."""
+
+
+class CpuClock:
+    def mark(self) -> int:
+        return time.perf_counter_ns()
+
+    def ready(self, marks: list[Any]) -> bool:
+        return True
+
+    def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
+        return [first_wall_ns + (m - marks[0]) for m in marks]
+
+
+class CudaClock:
+    def __init__(self) -> None:
+        import torch
+
+        self._event = torch.cuda.Event
+
+    def mark(self) -> Any:
+        event: Any = self._event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def ready(self, marks: list[Any]) -> bool:
+        return bool(marks[-1].query())  # events complete in stream order
+
+    def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
+        return [first_wall_ns + int(marks[0].elapsed_time(m) * 1e6) for m in marks]
+
+
+def clock_for(device_type: str) -> StageClock:
+    return CudaClock() if device_type == "cuda" else CpuClock()
