@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from telemetry import semconv as sc
+from tests.helpers import random_prompts, tiny_pair
+from tests.telemetry.helpers import captured_telemetry
+
+SYNCING = ("item", "tolist", "cpu", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.fixture
+def telemetry_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every syncing tensor read made from inside the `telemetry` package."""
+    calls: list[str] = []
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("telemetry"):
+                calls.append(f"{caller}: Tensor.{_name}")
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    original_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("cuda.synchronize") or original_sync(*a))
+    return calls
+
+
+def test_the_recorder_catches_a_host_read_from_telemetry(telemetry_host_reads: list[str]) -> None:
+    scope = {"__name__": "telemetry.fake", "torch": torch}
+    exec("torch.ones(2).tolist()", scope)
+    assert telemetry_host_reads == ["telemetry.fake: Tensor.tolist"]
+
+
+def test_telemetry_makes_no_host_transfers(telemetry_host_reads: list[str]) -> None:
+    target, drafter = tiny_pair(0, vocab=16)
+    captured = captured_telemetry()
+    Engine(target, drafter, observer=captured.collector).generate(
+        random_prompts(0, 3, vocab=16), GenerationConfig(method="ddtree", budget=8, max_new_tokens=12)
+    )
+    assert captured.log_lines(), "telemetry ran"
+    assert telemetry_host_reads == []
+
+
+@pytest.mark.parametrize(("method", "batch"), [("ddtree", 3), ("dflash", 1), ("ar", 2)])
+def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: int) -> None:
+    target, drafter = tiny_pair(2, vocab=12, block_size=5)
+    captured = captured_telemetry()
+    prompts = random_prompts(2, batch, vocab=12)
+    result = Engine(target, drafter, observer=captured.collector).generate(
+        prompts, GenerationConfig(method=method, budget=16, max_new_tokens=15)
+    )
+    tokens = sum(len(o.token_ids) for o in result.outputs)
+    accepted = sum(a - 1 for o in result.outputs for a in o.acceptance_lengths)
+
+    assert captured.counter(sc.METRIC_EMITTED_TOKENS) == tokens
+    assert captured.counter(sc.METRIC_STEPS) == result.steps
+    assert captured.counter(sc.METRIC_ACCEPTED_TOKENS) == accepted
+    per_depth = captured.metric_points().get(sc.METRIC_ACCEPTED_PER_DEPTH, [])
+    assert sum(p.value for p in per_depth) == accepted
+    lengths = captured.metric_points()[sc.METRIC_ACCEPTANCE_LENGTH]
+    assert sum(p.sum for p in lengths) == sum(a for o in result.outputs for a in o.acceptance_lengths)
+
+    lines = pd.read_json(__import__("io").StringIO(captured.log.getvalue()), lines=True)
+    steps = lines[lines["event"] == sc.EVENT_STEP]
+    requests = lines[lines["event"] == sc.EVENT_REQUEST]
+    assert len(steps) == result.steps and len(requests) == batch
+    assert sum(sum(e) for e in steps["emitted"]) + batch == tokens
+    assert sorted(requests["output_tokens"]) == sorted(len(o.token_ids) for o in result.outputs)
+    assert "prompt_token_ids" not in requests.columns, "no content without DDTREE_LOG_CONTENT"
+    if method == "ar":
+        assert all(n == [0] * len(n) for n in steps["tree_nodes"])
+    else:
+        assert sum(sum(n) for n in steps["tree_nodes"]) == captured.counter(sc.METRIC_DRAFT_TOKENS) > 0
+
+    spans = captured.spans.get_finished_spans()
+    by_name: dict[str, list[Any]] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    assert len(by_name[sc.SPAN_STEP]) == result.steps and len(by_name[sc.SPAN_REQUEST]) == batch
+    step_ids = {s.context.span_id for s in by_name[sc.SPAN_STEP]}
+    for stage in sc.STAGES:
+        children = by_name[sc.stage_span_name(stage)]
+        assert len(children) == result.steps and {c.parent.span_id for c in children} == step_ids
+    request_ids = {s.context.span_id for s in by_name[sc.SPAN_REQUEST]}
+    for step in by_name[sc.SPAN_STEP]:
+        if batch == 1:
+            assert step.parent.span_id in request_ids and not step.links
+        else:
+            assert step.parent is None and {link.context.span_id for link in step.links} == request_ids
+        assert step.attributes[sc.ATTR_METHOD] == method
+        assert step.start_time <= step.end_time
+    usage = sorted(s.attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] for s in by_name[sc.SPAN_REQUEST])
+    assert usage == sorted(len(o.token_ids) for o in result.outputs)
+    assert set(steps["trace_id"]) <= {format(s.context.trace_id, "032x") for s in by_name[sc.SPAN_STEP]}
+
+
+def test_content_is_logged_only_when_asked() -> None:
+    target, drafter = tiny_pair(0, vocab=16)
+    captured = captured_telemetry(log_content=True)
+    Engine(target, drafter, observer=captured.collector).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))
+    request = next(line for line in captured.log_lines() if line["event"] == sc.EVENT_REQUEST)
+    assert request["prompt_token_ids"] == [1, 2, 3]
+    span = next(s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_REQUEST)
+    assert span.attributes[sc.GEN_AI_PROMPT] == "1,2,3"
