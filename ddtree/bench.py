@@ -111,3 +111,33 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
         }
         for r in rows
     ]
+
+
+def telemetry_overhead(
+    engine_parts: tuple[Target, Any],
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    batch_size: int,
+    rounds: int,
+    telemetry_config: Any,
+) -> tuple[float, float]:
+    """Tokens per second with telemetry off and on, interleaved over `rounds` in one process."""
+    from telemetry import start_telemetry
+
+    target, drafter = engine_parts
+    telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
+    engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
+    totals = {False: [0, 0.0], True: [0, 0.0]}
+    try:
+        engines[True].generate(prompts[:batch_size], GenerationConfig(**{**config.__dict__, "max_new_tokens": 4}))
+        for _ in range(rounds):
+            for on in (False, True):
+                for start in range(0, len(prompts), batch_size):
+                    _sync(target.device)
+                    result = engines[on].generate(prompts[start : start + batch_size], config)
+                    _sync(target.device)
+                    totals[on][0] += result.new_tokens
+                    totals[on][1] += result.seconds
+    finally:
+        telemetry.shutdown()
+    return totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]

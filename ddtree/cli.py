@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ddtree.errors import UserError
 from telemetry.config import TelemetryConfigError
@@ -79,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     _device_args(bench)
     bench.add_argument("--json", dest="json_out", help="also write the rows to this JSON file")
+    bench.add_argument(
+        "--telemetry-overhead",
+        action="store_true",
+        help="instead: tokens/s of the first method and budget with telemetry off and on, interleaved",
+    )
+    bench.add_argument("--rounds", type=int, default=3, help="off/on rounds for --telemetry-overhead")
     bench.set_defaults(func=_bench)
 
     models = sub.add_parser("models", help="model tools").add_subparsers(dest="models_command", required=True)
@@ -195,6 +202,8 @@ def _bench(args: argparse.Namespace) -> int:
     target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)
     if tokenizer is None:
         raise UserError("bench needs a model with a tokenizer")
+    if args.telemetry_overhead:
+        return _overhead(args, target, drafter, tokenizer, prompts, methods[0])
     rows = run_bench(
         target,
         drafter,
@@ -212,6 +221,39 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+    return 0
+
+
+def _overhead(
+    args: argparse.Namespace, target: Any, drafter: Any, tokenizer: Any, prompts: list[str], method: str
+) -> int:
+    """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs."""
+    from ddtree.bench import telemetry_overhead
+    from ddtree.engine.decode import GenerationConfig
+    from ddtree.runtime import eos_ids
+    from ddtree.train.data import chat_ids
+    from telemetry.config import TelemetryConfig
+
+    config = GenerationConfig(
+        method=method,
+        budget=args.budgets[0],
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=eos_ids(tokenizer, target),
+    )
+    env = TelemetryConfig.from_env()
+    on = TelemetryConfig(
+        enabled=True,
+        traces_exporter=env.traces_exporter,
+        metrics_exporter="prometheus",
+        otlp_endpoint=env.otlp_endpoint,
+        otlp_protocol=env.otlp_protocol,
+        prometheus_port=0,
+        log_file=env.log_file or os.devnull,
+    )
+    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    off_tps, on_tps = telemetry_overhead((target, drafter), encoded, config, args.batch_size, args.rounds, on)
+    label = method if method != "ddtree" else f"ddtree B={args.budgets[0]}"
+    print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0
 
 

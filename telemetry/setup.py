@@ -7,6 +7,7 @@ endpoint never blocks a decode step; failed exports are counted and logged once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -126,6 +127,9 @@ def build(
 ) -> Telemetry:
     closers: list[Callable[[], None]] = []
     stream: IO[str] = open_log_stream(config)
+    # Exporter failures are counted and logged once by CountingExporter, not once per retry by the SDK.
+    logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)
+    logging.getLogger("opentelemetry.sdk").setLevel(logging.ERROR)
     log = make_logger(config, stream)
     resource = Resource.create({"service.name": config.service_name})
     readers, port = _metric_readers(config, closers)
