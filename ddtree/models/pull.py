@@ -142,6 +142,7 @@ def convert_gguf(gguf: Path, out: Path, eos_token: str) -> None:
     model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer: Any = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.eos_token = eos_token
+    tokenizer.clean_up_tokenization_spaces = False  # BPE text is exact as decoded
     # A GGUF-loaded model refuses save_pretrained; rebuild it without the quantisation record.
     fields = model.config.to_dict()
     fields.pop("quantization_config", None)

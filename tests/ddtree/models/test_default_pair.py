@@ -5,6 +5,7 @@ The pull goes to the machine's cache (`$DDTREE_HOME`, else ~/.cache/ddtree), so 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -85,3 +86,11 @@ def test_the_real_pair_writes_real_text(pair: tuple[object, object, object]) -> 
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
     assert "Paris" in text
     assert torch.tensor(out.acceptance_lengths).float().mean() > 1.0, "the trained drafter gets drafts accepted"
+
+
+def test_generate_with_no_model_uses_the_default_pair(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddtree.cli import main
+
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert "Paris" in record["text"]
