@@ -147,17 +147,21 @@ def _drafter_shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from ddtree.engine.decode import GenerationConfig
     from ddtree.runtime import GenerateRequest, run_generate
 
-    request = GenerateRequest(
-        model=args.model,
-        drafter=args.drafter,
+    generation = GenerationConfig(
         method=args.method,
         budget=args.budget,
         topk=args.topk,
         temperature=args.temperature,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+    )
+    request = GenerateRequest(
+        model=args.model,
+        drafter=args.drafter,
+        generation=generation,
         device=args.device,
         dtype=args.dtype,
         prompts=args.prompt,

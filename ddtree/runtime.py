@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,12 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class GenerateRequest:
     model: str | None  # None: the default pair
     drafter: str | None
-    method: str = "ddtree"
-    budget: int = 32
-    topk: int | None = None
-    temperature: float = 0.0
-    seed: int = 0
-    max_new_tokens: int = 128
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     device: str = "auto"
     dtype: str = "auto"
     prompts: list[str] | None = None
@@ -52,18 +47,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_request(request: GenerateRequest, vocab_size: int | None = None) -> None:
     """Check the request; the checks that need the vocabulary run when `vocab_size` is given."""
-    if request.budget < 1:
-        raise UserError(f"--budget must be >= 1, got {request.budget}")
-    if request.topk is not None and request.topk < 1:
-        raise UserError(f"--topk must be >= 1, got {request.topk}")
-    if request.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {request.temperature}")
-    if request.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {request.max_new_tokens}")
+    g = request.generation
+    if g.budget < 1:
+        raise UserError(f"--budget must be >= 1, got {g.budget}")
+    if g.topk is not None and g.topk < 1:
+        raise UserError(f"--topk must be >= 1, got {g.topk}")
+    if g.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {g.temperature}")
+    if g.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {g.max_new_tokens}")
     if vocab_size is None:
         return
-    if request.topk is not None and request.topk > vocab_size:
-        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {request.topk}")
+    if g.topk is not None and g.topk > vocab_size:
+        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {g.topk}")
     for ids in request.prompt_ids or []:
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
@@ -136,21 +132,14 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
-    model, drafter_dir = resolve_paths(request.model, request.drafter, request.method)
+    method = request.generation.method
+    model, drafter_dir = resolve_paths(request.model, request.drafter, method)
     check_request(request, int(read_target_config(model).vocab_size))
     target, drafter, tokenizer = load_pair(
-        model, drafter_dir if request.method != "ar" else None, request.device, request.dtype
+        model, drafter_dir if method != "ar" else None, request.device, request.dtype
     )
     prompts = encode_prompts(request, tokenizer)
-    config = GenerationConfig(
-        method=request.method,
-        budget=request.budget,
-        topk=request.topk,
-        temperature=request.temperature,
-        seed=request.seed,
-        max_new_tokens=request.max_new_tokens,
-        eos_token_ids=eos_ids(tokenizer, target),
-    )
+    config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
     telemetry = start_telemetry(
         device_type=target.device.type,
         model_name=str(getattr(target.config, "_name_or_path", "") or model),
