@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3, help="off/on rounds for --telemetry-overhead")
     bench.set_defaults(func=_bench)
 
+    analyze = sub.add_parser("analyze", help="turn DDTREE_DEBUG_METRICS step logs into tables and budget advice")
+    analyze.add_argument("log", help="a JSON log file written with DDTREE_DEBUG_METRICS=1")
+    analyze.set_defaults(func=_analyze)
+
     models = sub.add_parser("models", help="model tools").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert the default target (SmolLM2-135M-Instruct)")
     pull.add_argument("name", nargs="?", default="smollm2-135m")
@@ -259,6 +263,20 @@ def _overhead(
     label = method if method != "ddtree" else f"ddtree B={args.budgets[0]}"
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from telemetry.analysis import advice, format_table, read_steps, summarise
+
+    try:
+        groups = summarise(read_steps(args.log))
+    except OSError as exc:
+        raise UserError(f"cannot read {args.log!r}: {exc.strerror}") from exc
+    except (KeyError, TypeError) as exc:
+        raise UserError(f"{args.log!r} has ddtree.step lines without the expected fields: {exc}") from exc
+    print(format_table(groups))
+    print(advice(groups))
+    return 0 if groups else EXIT_USAGE
 
 
 def _drafter_init(args: argparse.Namespace) -> int:
