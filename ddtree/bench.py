@@ -114,7 +114,8 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
 
 
 def telemetry_overhead(
-    engine_parts: tuple[Target, Any],
+    target: Target,
+    drafter: Any,
     prompts: list[list[int]],
     config: GenerationConfig,
     batch_size: int,
@@ -124,7 +125,6 @@ def telemetry_overhead(
     """Tokens per second with telemetry off and on, interleaved over `rounds` in one process."""
     from telemetry import start_telemetry
 
-    target, drafter = engine_parts
     telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
     engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
     totals = {False: [0, 0.0], True: [0, 0.0]}

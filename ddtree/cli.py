@@ -259,7 +259,7 @@ def _overhead(
         log_file=env.log_file or os.devnull,
     )
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    off_tps, on_tps = telemetry_overhead((target, drafter), encoded, config, args.batch_size, args.rounds, on)
+    off_tps, on_tps = telemetry_overhead(target, drafter, encoded, config, args.batch_size, args.rounds, on)
     label = method if method != "ddtree" else f"ddtree B={args.budgets[0]}"
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0

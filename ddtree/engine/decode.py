@@ -118,18 +118,8 @@ class Engine:
             host = torch.cat([result.accepted[:, None], result.path_tokens, root[:, None]], dim=1).tolist()
             obs.on_stage_end(semconv.STAGE_ACCEPT)
 
-            accepted = [row[0] for row in host]
-            obs.on_accept(result, accepted)
-            emitted = [0] * batch
-            for b, (out, row) in enumerate(zip(outputs, host, strict=True)):
-                if out.finished:
-                    continue
-                n = row[0]
-                out.acceptance_lengths.append(n + 1)
-                host_lengths[b] += n + 1
-                before = len(out.token_ids)
-                _emit(out, [*row[2 : 2 + n], row[-1]], config.max_new_tokens, eos)
-                emitted[b] = len(out.token_ids) - before
+            obs.on_accept(result, [row[0] for row in host])
+            emitted = _commit(outputs, host, host_lengths, config.max_new_tokens, eos)
             active = torch.tensor([not o.finished for o in outputs], device=device)
             obs.on_step_end(step, emitted)
             step += 1
@@ -180,6 +170,26 @@ def _results(request_ids: list[str], outputs: list[RequestOutput], eos: set[int]
         )
         for rid, out in zip(request_ids, outputs, strict=True)
     ]
+
+
+def _commit(
+    outputs: list[RequestOutput], host: list[list[int]], host_lengths: list[int], limit: int, eos: set[int]
+) -> list[int]:
+    """Give each unfinished request its accepted drafts and bonus; return how many tokens each kept.
+
+    A host row is `[accepted, root, path tokens..., bonus]`.
+    """
+    emitted = [0] * len(outputs)
+    for b, (out, row) in enumerate(zip(outputs, host, strict=True)):
+        if out.finished:
+            continue
+        n = row[0]
+        out.acceptance_lengths.append(n + 1)
+        host_lengths[b] += n + 1
+        before = len(out.token_ids)
+        _emit(out, [*row[2 : 2 + n], row[-1]], limit, eos)
+        emitted[b] = len(out.token_ids) - before
+    return emitted
 
 
 def _emit(out: RequestOutput, tokens: list[int], limit: int, eos: set[int]) -> None:
