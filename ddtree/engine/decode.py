@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -82,9 +83,9 @@ class Engine:
 
         root, context, counts = self._prefill(prompts, cache, config.temperature, generator)
         host_lengths = [len(p) for p in prompts]
-        for out, token in zip(outputs, root.tolist(), strict=True):
+        for out, token in zip(outputs, _to_host(root), strict=True):
             _emit(out, [token], config.max_new_tokens, eos)
-        active = torch.tensor([not o.finished for o in outputs], device=device)
+        active = _to_device([not o.finished for o in outputs], device)
         step = 0
         while not all(o.finished for o in outputs):
             obs.on_step_start(step, batch)
@@ -115,12 +116,12 @@ class Engine:
                 index = result.path[:, :, None].expand(-1, -1, verified.features.shape[-1])
                 context = verified.features.gather(1, index)
             root = result.bonus
-            host = torch.cat([result.accepted[:, None], result.path_tokens, root[:, None]], dim=1).tolist()
+            host = _to_host(torch.cat([result.accepted[:, None], result.path_tokens, root[:, None]], dim=1))
             obs.on_stage_end(semconv.STAGE_ACCEPT)
 
             obs.on_accept(result, [row[0] for row in host])
             emitted = _commit(outputs, host, host_lengths, config.max_new_tokens, eos)
-            active = torch.tensor([not o.finished for o in outputs], device=device)
+            active = _to_device([not o.finished for o in outputs], device)
             obs.on_step_end(step, emitted)
             step += 1
         if observed:
@@ -133,8 +134,8 @@ class Engine:
         """Run the prompts; return the first token `[batch]`, context features and their counts."""
         device = self.target.device
         width = max(len(p) for p in prompts)
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)  # [batch, width]
-        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        tokens = _to_device([p + [0] * (width - len(p)) for p in prompts], device)  # [batch, width]
+        lengths = _to_device([len(p) for p in prompts], device)
         steps = torch.arange(width, device=device)
         real = steps[None, :] < lengths[:, None]  # [batch, width]
         causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
@@ -170,6 +171,25 @@ def _results(request_ids: list[str], outputs: list[RequestOutput], eos: set[int]
         )
         for rid, out in zip(request_ids, outputs, strict=True)
     ]
+
+
+def _to_host(t: torch.Tensor) -> Any:
+    """The one readback per step. On CUDA: a non-blocking copy to pinned memory, then a wait on its event
+    (an explicit wait, not an implicit sync, so the loop runs under `set_sync_debug_mode("error")`)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record()
+    done.synchronize()
+    return host.numpy().tolist()
+
+
+def _to_device(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Host values to the device without an implicit sync (pinned memory, non-blocking copy)."""
+    host = torch.tensor(values, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _commit(

@@ -1,0 +1,65 @@
+"""Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair, the decode loop with
+telemetry on under `torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
+
+    python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ddtree.bench import heldout_prompts, telemetry_overhead
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.models.default import default_drafter
+from ddtree.runtime import eos_ids, load_pair
+from ddtree.train.data import chat_ids
+from telemetry import start_telemetry
+from telemetry.config import TelemetryConfig
+
+TELEMETRY_ON = TelemetryConfig(
+    enabled=True,
+    otlp_endpoint="http://127.0.0.1:9",  # nobody listens: exports fail in the background, as with a dead collector
+    otlp_protocol="http/protobuf",
+    prometheus_port=0,
+    log_file="/dev/null",
+)
+
+
+def main(target_dir: str, drafter_dir: str) -> None:
+    for dtype in ("float32", "bfloat16"):
+        target, drafter, tokenizer = load_pair(target_dir, drafter_dir, "cuda", dtype)
+        prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:16]]
+        eos = eos_ids(tokenizer, target)
+        engine = Engine(target, drafter)
+        ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
+        for method, budget in (("dflash", 1), ("ddtree", 32)):
+            cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
+            out = engine.generate(prompts, cfg).outputs
+            same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
+            print(f"lossless {dtype} {method} B={budget}: {same}/{len(prompts)} prompts identical to ar")
+
+    telemetry = start_telemetry(TELEMETRY_ON, device_type="cuda")
+    engine = Engine(target, drafter, observer=telemetry.observer)
+    cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
+    engine.generate(prompts[:4], cfg)  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.generate(prompts[:4], cfg)
+        print("sync debug mode 'error' with telemetry on: no implicit sync")
+    except RuntimeError as exc:
+        print(f"sync debug mode 'error' with telemetry on: FAILED: {exc}")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        telemetry.shutdown()
+
+    for batch in (1, 16):
+        off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 3, TELEMETRY_ON)
+        print(
+            f"telemetry overhead, ddtree B=32, batch {batch}: off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else str(default_drafter()))
