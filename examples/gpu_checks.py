@@ -57,7 +57,8 @@ def main(target_dir: str, drafter_dir: str) -> None:
     for batch in (1, 16):
         off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 3, TELEMETRY_ON)
         print(
-            f"telemetry overhead, ddtree B=32, batch {batch}: off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"
+            f"telemetry overhead, ddtree B=32, batch {batch}: "
+            f"off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"
         )
 
 
