@@ -1,7 +1,9 @@
 """Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair, the decode loop with
 telemetry on under `torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
 
-    python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR]
+    python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR] [DEVICE]
+
+DEVICE defaults to cuda; `cpu` runs the same steps (without the sync check) as a smoke test.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ TELEMETRY_ON = TelemetryConfig(
 )
 
 
-def main(target_dir: str, drafter_dir: str) -> None:
-    for dtype in ("float32", "bfloat16"):
-        target, drafter, tokenizer = load_pair(target_dir, drafter_dir, "cuda", dtype)
-        prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:16]]
+def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
+    count = 16 if device == "cuda" else 2
+    for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+        target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device, dtype)
+        prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
         eos = eos_ids(tokenizer, target)
         engine = Engine(target, drafter)
         ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
@@ -40,21 +43,22 @@ def main(target_dir: str, drafter_dir: str) -> None:
             same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
             print(f"lossless {dtype} {method} B={budget}: {same}/{len(prompts)} prompts identical to ar")
 
-    telemetry = start_telemetry(TELEMETRY_ON, device_type="cuda")
-    engine = Engine(target, drafter, observer=telemetry.observer)
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
-    engine.generate(prompts[:4], cfg)  # warm-up
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.generate(prompts[:4], cfg)
-        print("sync debug mode 'error' with telemetry on: no implicit sync")
-    except RuntimeError as exc:
-        print(f"sync debug mode 'error' with telemetry on: FAILED: {exc}")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        telemetry.shutdown()
+    if device == "cuda":
+        telemetry = start_telemetry(TELEMETRY_ON, device_type="cuda")
+        engine = Engine(target, drafter, observer=telemetry.observer)
+        engine.generate(prompts[:4], cfg)  # warm-up
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.generate(prompts[:4], cfg)
+            print("sync debug mode 'error' with telemetry on: no implicit sync")
+        except RuntimeError as exc:
+            print(f"sync debug mode 'error' with telemetry on: FAILED: {exc}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            telemetry.shutdown()
 
-    for batch in (1, 16):
+    for batch in (1, count):
         off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 3, TELEMETRY_ON)
         print(
             f"telemetry overhead, ddtree B=32, batch {batch}: "
@@ -63,4 +67,4 @@ def main(target_dir: str, drafter_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else str(default_drafter()))
+    main(sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "") or str(default_drafter()), *sys.argv[3:4])
