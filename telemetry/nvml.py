@@ -1,5 +1,8 @@
 """NVML sampler: one daemon thread reads each GPU's utilisation, memory, power, SM clock and temperature
 at a fixed interval and sets OTel gauges. Without NVML it logs one line and does nothing else.
+
+Utilisation comes from `nvmlDeviceGetSamples` (the driver's own samples since the last read, averaged), so
+short bursts between two reads are not missed; where the driver has none, a point query stands in.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ class NvmlSampler:
         self.log = log
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
+        self.last_sample_us: dict[int, int] = {}
         self.gauges = {
             "util": meter.create_gauge(sc.METRIC_GPU_UTILIZATION, unit=sc.UNIT_PERCENT, description="GPU busy time"),
             "mem": meter.create_gauge(sc.METRIC_GPU_MEMORY_USED, unit=sc.UNIT_BYTES, description="GPU memory used"),
@@ -42,18 +46,31 @@ class NvmlSampler:
         while not self.stop_event.is_set():
             for index, handle in enumerate(handles):
                 try:
-                    self._sample(nvml, handle, {sc.LABEL_GPU: str(index)})
+                    self._sample(nvml, handle, index)
                 except Exception as exc:  # a failing query must not end decoding
                     self.log.info(sc.EVENT_TELEMETRY, nvml="sample failed", reason=str(exc))
                     return
             self.stop_event.wait(self.interval)
 
-    def _sample(self, nvml: Any, handle: Any, labels: dict[str, str]) -> None:
-        self.gauges["util"].set(nvml.nvmlDeviceGetUtilizationRates(handle).gpu, labels)
+    def _sample(self, nvml: Any, handle: Any, index: int) -> None:
+        labels = {sc.LABEL_GPU: str(index)}
+        self.gauges["util"].set(self._utilization(nvml, handle, index), labels)
         self.gauges["mem"].set(nvml.nvmlDeviceGetMemoryInfo(handle).used, labels)
         self.gauges["power"].set(nvml.nvmlDeviceGetPowerUsage(handle) / 1000, labels)
         self.gauges["clock"].set(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6, labels)
         self.gauges["temp"].set(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), labels)
+
+    def _utilization(self, nvml: Any, handle: Any, index: int) -> float:
+        try:
+            _, samples = nvml.nvmlDeviceGetSamples(
+                handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, self.last_sample_us.get(index, 0)
+            )
+        except Exception:  # not supported on this GPU or driver: fall back to the point query
+            samples = []
+        if samples:
+            self.last_sample_us[index] = max(s.timeStamp for s in samples)
+            return float(sum(s.sampleValue.uiVal for s in samples) / len(samples))
+        return float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 
     def stop(self) -> None:
         self.stop_event.set()
