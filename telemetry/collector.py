@@ -10,6 +10,7 @@ Resolved `StepStats` go to sinks (metrics, logs, traces), which never touch the 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -80,8 +81,7 @@ class Collector:
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
-        for sink in self.sinks:
-            sink.start_requests(info)
+        self._each_sink("start_requests", info)
 
     def on_step_start(self, step: int, batch_size: int) -> None:
         self._drain()
@@ -122,8 +122,7 @@ class Collector:
         # The engine has read the last step's tokens, so these events are complete: this never waits.
         self._drain(wait=True)
         assert self.info is not None
-        for sink in self.sinks:
-            sink.end_requests(self.info, results)
+        self._each_sink("end_requests", self.info, results)
         self.info = None
 
     def _drain(self, wait: bool = False) -> None:
@@ -131,9 +130,18 @@ class Collector:
             record = self.pending.popleft()
             if wait and not self.clock.ready(record.marks):
                 record.marks[-1].synchronize()
-            stats = self._resolve(record)
-            for sink in self.sinks:
-                sink.step(stats)
+            self._each_sink("step", self._resolve(record))
+
+    def _each_sink(self, method: str, *args: Any) -> None:
+        """Call every sink; one that raises is dropped with a warning, and decoding goes on."""
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except BrokenPipeError:
+                raise  # the reader of our output went away (`| head`): the program ends, quietly
+            except Exception as exc:  # a telemetry bug must never break decoding
+                self.sinks.remove(sink)
+                warnings.warn(f"ddtree telemetry: {type(sink).__name__} failed and is off: {exc!r}", stacklevel=2)
 
     def _resolve(self, record: _Pending) -> StepStats:
         assert self.info is not None

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from telemetry import semconv as sc
 from telemetry.collector import Collector, StatsSink
-from telemetry.config import TelemetryConfig
+from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.logging import LogSink, make_logger, open_log_stream
 from telemetry.metrics import MetricsSink
 from telemetry.nvml import NvmlSampler
@@ -117,7 +117,11 @@ def _metric_readers(
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(config.prometheus_port, addr=config.prometheus_host)
+    try:
+        server, _thread = start_http_server(config.prometheus_port, addr=config.prometheus_host)
+    except OSError as exc:
+        where = f"{config.prometheus_host}:{config.prometheus_port}"
+        raise TelemetryConfigError(f"cannot serve Prometheus metrics on {where}: {exc.strerror}") from exc
     closers.append(server.shutdown)
     return [PrometheusMetricReader()], int(server.server_port)
 

@@ -111,3 +111,26 @@ def test_content_is_logged_only_when_asked() -> None:
     assert request["prompt_token_ids"] == [1, 2, 3]
     span = next(s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_REQUEST)
     assert span.attributes[sc.GEN_AI_PROMPT] == "1,2,3"
+
+
+def test_a_failing_sink_is_dropped_and_decoding_goes_on() -> None:
+    class Broken:
+        def start_requests(self, info: Any) -> None:
+            pass
+
+        def step(self, stats: Any) -> None:
+            raise RuntimeError("sink bug")
+
+        def end_requests(self, info: Any, results: Any) -> None:
+            pass
+
+    target, drafter = tiny_pair(0, vocab=16)
+    captured = captured_telemetry()
+    captured.collector.sinks.insert(0, Broken())
+    plain = Engine(target, drafter).generate([[1, 2]], GenerationConfig(max_new_tokens=8))
+    with pytest.warns(UserWarning, match="Broken failed and is off"):
+        out = Engine(target, drafter, observer=captured.collector).generate(
+            [[1, 2]], GenerationConfig(max_new_tokens=8)
+        )
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert captured.counter(sc.METRIC_EMITTED_TOKENS) == 8, "the other sinks keep working"
