@@ -74,7 +74,9 @@ def docstring_items() -> Iterator[tuple[str, str]]:
         for name, obj in sorted(vars(module).items()):
             if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
                 continue
-            doc = inspect.getdoc(obj)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # some modules warn on attribute access
+                doc = inspect.getdoc(obj)
             if not doc:
                 continue
             summary = _summary(doc)
