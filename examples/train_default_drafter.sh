@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The recipe behind the shipped default drafter (ddtree/models/smollm2_dflash), for one CUDA GPU.
-#   examples/train_default_drafter.sh prepare GGUF WORK   # convert the target, write training data
-#   examples/train_default_drafter.sh train WORK MINUTES  # train the drafter in WORK/drafter
-#   examples/train_default_drafter.sh bench WORK          # tau and speed on the held-out prompts
-# PROMPTS (a JSONL file of {"prompt": ...}) overrides the built-in training prompts.
+#   examples/train_default_drafter.sh prepare GGUF WORK     # convert the target, write training data
+#   examples/train_default_drafter.sh train WORK MINUTES    # train the drafter in WORK/drafter
+#   examples/train_default_drafter.sh train-bg WORK MINUTES # the same in the background (WORK/train.pid)
+#   examples/train_default_drafter.sh wait WORK             # until the background training has ended
+#   examples/train_default_drafter.sh bench WORK            # tau and speed on the held-out prompts
+# PROMPTS (a JSONL file of {"prompt": ...}) overrides the built-in training prompts; NUM_PROMPTS,
+# MAX_NEW_TOKENS and DATA_BATCH size the data. The shipped drafter used 8000 prompts, 256 tokens, batch 256.
 set -euo pipefail
 PY=${PYTHON:-python3}
 cmd=$1
@@ -14,8 +17,8 @@ case "$cmd" in
     $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work/target"
     $PY -m ddtree.cli drafter data --target "$work/target" --out "$work/data.jsonl" \
-      --num-prompts "${NUM_PROMPTS:-8000}" ${PROMPTS:+--prompts "$PROMPTS"} \
-      --max-new-tokens 256 --batch-size 256 --dtype bfloat16
+      --num-prompts "${NUM_PROMPTS:-24000}" ${PROMPTS:+--prompts "$PROMPTS"} \
+      --max-new-tokens "${MAX_NEW_TOKENS:-192}" --batch-size "${DATA_BATCH:-1024}" --dtype bfloat16
     ;;
   train)
     work=$2 minutes=$3
@@ -23,13 +26,24 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work
       --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size 32 --anchors 32 \
       --lr 6e-4 --max-minutes "$minutes" --checkpoint-every 500
     ;;
+  train-bg)
+    work=$2 minutes=$3
+    setsid nohup "$0" train "$work" "$minutes" > "$work/train.log" 2>&1 < /dev/null &
+    echo $! > "$work/train.pid"
+    ;;
+  wait)
+    work=$2
+    pid=$(cat "$work/train.pid")
+    while kill -0 "$pid" 2> /dev/null; do sleep 5; done
+    cat "$work/drafter/training.json"
+    ;;
   bench)
     work=$2
     $PY -m ddtree.cli bench --model "$work/target" --drafter "$work/drafter" --batch-size 64 \
       --max-new-tokens 128 --json "$work/bench.json"
     ;;
   *)
-    echo "usage: $0 prepare GGUF WORK | train WORK MINUTES | bench WORK" >&2
+    echo "usage: $0 prepare GGUF WORK | train WORK MINUTES | train-bg WORK MINUTES | wait WORK | bench WORK" >&2
     exit 2
     ;;
 esac
