@@ -106,3 +106,17 @@ def test_console_script_exit_code(tiny_dirs: tuple[Path, Path]) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "ddtree: error: --budget must be >= 1, got -3"
+
+
+def test_drafter_with_another_vocabulary(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, drafter = tiny_dirs
+    other = tmp_path / "vocab"
+    other.mkdir()
+    config = json.loads((drafter / "config.json").read_text())
+    config["vocab_size"] = 300
+    (other / "config.json").write_text(json.dumps(config))
+    (other / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes())
+    code, _, err = run([*gen_args(target, other), "--prompt", "x"], capsys)
+    assert code == 2 and "vocabulary 300 does not match the target's 258" in err
