@@ -72,7 +72,7 @@ def summarise(steps: Iterable[dict[str, Any]]) -> list[ConfigStats]:
         stats.steps += 1
         stats.request_steps += len(s[sc.FIELD_ACCEPTED_DRAFTS])
         stats.accepted += sum(s[sc.FIELD_ACCEPTED_DRAFTS])
-        stats.emitted += sum(s.get("emitted", []))
+        stats.emitted += sum(s.get(sc.FIELD_EMITTED, []))
         for stage, ms in s[sc.FIELD_STAGE_MS].items():
             stats.stage_ms[stage] = stats.stage_ms.get(stage, 0.0) + ms
         _add_into(stats.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])

@@ -67,7 +67,7 @@ class LogSink:
             sc.FIELD_NODES_PER_DEPTH: stats.nodes_per_depth[1 : depth + 1],
             sc.FIELD_ACCEPTED_DRAFTS: stats.accepted,
             sc.FIELD_ACCEPTED_PER_DEPTH: stats.accepted_per_depth[1 : depth + 1],
-            "emitted": stats.emitted,
+            sc.FIELD_EMITTED: stats.emitted,
             sc.FIELD_STAGE_MS: {s: round((e - b) / 1e6, 4) for s, (b, e) in stats.stage_ns.items()},
             sc.FIELD_REQUEST_IDS: stats.request_ids,
             sc.FIELD_TRACE_ID: self.trace_ids(stats) if self.trace_ids else None,
@@ -78,15 +78,15 @@ class LogSink:
         for prompt, result in zip(info.prompt_tokens, results, strict=True):
             lengths = result.acceptance_lengths
             fields: dict[str, Any] = {
-                "request_id": result.request_id,
-                "method": info.method,
-                "prompt_tokens": len(prompt),
-                "output_tokens": len(result.output_tokens),
-                "steps": len(lengths),
-                "mean_acceptance_length": round(sum(lengths) / len(lengths), 4) if lengths else None,
-                "finish_reason": result.finish_reason,
+                sc.FIELD_REQUEST_ID: result.request_id,
+                sc.FIELD_METHOD: info.method,
+                sc.FIELD_PROMPT_TOKENS: len(prompt),
+                sc.FIELD_OUTPUT_TOKENS: len(result.output_tokens),
+                sc.FIELD_STEPS: len(lengths),
+                sc.FIELD_MEAN_ACCEPTANCE: round(sum(lengths) / len(lengths), 4) if lengths else None,
+                sc.FIELD_FINISH_REASON: result.finish_reason,
             }
             if self.log_content:
-                fields["prompt_token_ids"] = prompt
-                fields["output_token_ids"] = result.output_tokens
+                fields[sc.FIELD_PROMPT_TOKEN_IDS] = prompt
+                fields[sc.FIELD_OUTPUT_TOKEN_IDS] = result.output_tokens
             self.log.info(sc.EVENT_REQUEST, **fields)

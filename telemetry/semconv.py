@@ -134,3 +134,12 @@ FIELD_ACCEPTED_PER_DEPTH: Final = "accepted_per_depth"
 FIELD_STAGE_MS: Final = "stage_ms"
 FIELD_REQUEST_IDS: Final = "request_ids"
 FIELD_TRACE_ID: Final = "trace_id"
+FIELD_EMITTED: Final = "emitted"
+FIELD_REQUEST_ID: Final = "request_id"
+FIELD_PROMPT_TOKENS: Final = "prompt_tokens"
+FIELD_OUTPUT_TOKENS: Final = "output_tokens"
+FIELD_STEPS: Final = "steps"
+FIELD_MEAN_ACCEPTANCE: Final = "mean_acceptance_length"
+FIELD_FINISH_REASON: Final = "finish_reason"
+FIELD_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"  # content: only with DDTREE_LOG_CONTENT=1
+FIELD_OUTPUT_TOKEN_IDS: Final = "output_token_ids"  # content: only with DDTREE_LOG_CONTENT=1

@@ -73,9 +73,9 @@ def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: in
     steps = lines[lines["event"] == sc.EVENT_STEP]
     requests = lines[lines["event"] == sc.EVENT_REQUEST]
     assert len(steps) == result.steps and len(requests) == batch
-    assert sum(sum(e) for e in steps["emitted"]) + batch == tokens
-    assert sorted(requests["output_tokens"]) == sorted(len(o.token_ids) for o in result.outputs)
-    assert "prompt_token_ids" not in requests.columns, "no content without DDTREE_LOG_CONTENT"
+    assert sum(sum(e) for e in steps[sc.FIELD_EMITTED]) + batch == tokens
+    assert sorted(requests[sc.FIELD_OUTPUT_TOKENS]) == sorted(len(o.token_ids) for o in result.outputs)
+    assert sc.FIELD_PROMPT_TOKEN_IDS not in requests.columns, "no content without DDTREE_LOG_CONTENT"
     if method == "ar":
         assert all(n == [0] * len(n) for n in steps["tree_nodes"])
     else:
@@ -108,7 +108,7 @@ def test_content_is_logged_only_when_asked() -> None:
     captured = captured_telemetry(log_content=True)
     Engine(target, drafter, observer=captured.collector).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4))
     request = next(line for line in captured.log_lines() if line["event"] == sc.EVENT_REQUEST)
-    assert request["prompt_token_ids"] == [1, 2, 3]
+    assert request[sc.FIELD_PROMPT_TOKEN_IDS] == [1, 2, 3]
     span = next(s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_REQUEST)
     assert span.attributes[sc.GEN_AI_PROMPT] == "1,2,3"
 
