@@ -85,7 +85,8 @@ class Engine:
         host_lengths = [len(p) for p in prompts]
         for out, token in zip(outputs, _to_host(root), strict=True):
             _emit(out, [token], config.max_new_tokens, eos)
-        active = _to_device([not o.finished for o in outputs], device)
+        active_host = [not o.finished for o in outputs]
+        active = _to_device(active_host, device)  # [batch] bool, rebuilt only when a request finishes
         step = 0
         while not all(o.finished for o in outputs):
             obs.on_step_start(step, batch)
@@ -121,7 +122,9 @@ class Engine:
 
             obs.on_accept(result, [row[0] for row in host])
             emitted = _commit(outputs, host, host_lengths, config.max_new_tokens, eos)
-            active = _to_device([not o.finished for o in outputs], device)
+            if any(a and o.finished for a, o in zip(active_host, outputs, strict=True)):
+                active_host = [not o.finished for o in outputs]
+                active = _to_device(active_host, device)
             obs.on_step_end(step, emitted)
             step += 1
         if observed:
