@@ -33,14 +33,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _int_list(text: str) -> list[int]:
+def _ints(text: str) -> list[int]:
+    """`1,2,3` -> [1, 2, 3]; ValueError with a readable reason otherwise."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    except ValueError:
+        raise ValueError(f"comma-separated integers expected, got {text!r}") from None
     if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
+        raise ValueError("at least one integer expected")
     return values
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return _ints(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device_args(parser: argparse.ArgumentParser) -> None:
@@ -187,12 +195,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
+        return _ints(text)
     except ValueError as exc:
-        raise UserError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
-    if not ids:
-        raise UserError("--prompt-ids is empty")
-    return ids
+        raise UserError(f"--prompt-ids: {exc}") from None
 
 
 def _bench(args: argparse.Namespace) -> int:

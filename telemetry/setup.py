@@ -66,7 +66,6 @@ class Telemetry:
 
     observer: Any
     prometheus_port: int | None = None
-    exporter: CountingExporter | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def shutdown(self, timeout_s: float = 3.0) -> None:
@@ -140,7 +139,6 @@ def build(
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     meter = meter_provider.get_meter(sc.INSTRUMENTATION_SCOPE)
     sinks: list[StatsSink] = []
-    exporter = None
     inner = _span_exporter(config)
     if inner is not None:
         tracer_provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
@@ -160,4 +158,4 @@ def build(
     closers.append(meter_provider.shutdown)
     if stream.name not in ("<stderr>", "<stdout>"):
         closers.append(stream.close)
-    return Telemetry(observer=Collector(sinks, device_type), prometheus_port=port, exporter=exporter, closers=closers)
+    return Telemetry(observer=Collector(sinks, device_type), prometheus_port=port, closers=closers)

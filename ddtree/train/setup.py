@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -118,5 +117,4 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
     target.to(device)
     report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
-    (out / "training.json").write_text(json.dumps(report, indent=2))
-    return report
+    return report  # train() has written it to out/training.json
