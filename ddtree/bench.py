@@ -8,14 +8,14 @@ the only comparison these numbers support.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.decode import Engine, GenerationConfig, GenerationResult
 from ddtree.errors import UserError
 from ddtree.models.target import Target
 from ddtree.train.data import chat_ids
@@ -69,19 +69,24 @@ def run_bench(
     rows = []
     for method, budget in runs:
         config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-        lengths: list[int] = []
-        steps, new_tokens, seconds = 0, 0, 0.0
-        for start in range(0, len(encoded), batch_size):
-            _sync(target.device)
-            result = engine.generate(encoded[start : start + batch_size], config)
-            _sync(target.device)
-            steps += result.steps
-            new_tokens += result.new_tokens
-            seconds += result.seconds
-            lengths += [a for o in result.outputs for a in o.acceptance_lengths]
+        results = _run_batches(engine, encoded, config, batch_size)
+        lengths = [a for r in results for o in r.outputs for a in o.acceptance_lengths]
         tau = sum(lengths) / len(lengths) if lengths else 0.0
-        rows.append(BenchRow(method, budget, tau, steps, new_tokens, seconds))
+        steps, new_tokens = sum(r.steps for r in results), sum(r.new_tokens for r in results)
+        rows.append(BenchRow(method, budget, tau, steps, new_tokens, sum(r.seconds for r in results)))
     return rows
+
+
+def _run_batches(
+    engine: Engine, prompts: list[list[int]], config: GenerationConfig, batch_size: int
+) -> list[GenerationResult]:
+    """Generate for all prompts, `batch_size` at a time, with the device idle before and after each batch."""
+    results = []
+    for start in range(0, len(prompts), batch_size):
+        _sync(engine.target.device)
+        results.append(engine.generate(prompts[start : start + batch_size], config))
+        _sync(engine.target.device)
+    return results
 
 
 def _sync(device: torch.device) -> None:
@@ -129,13 +134,10 @@ def telemetry_overhead(
     engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
     totals = {False: [0, 0.0], True: [0, 0.0]}
     try:
-        engines[True].generate(prompts[:batch_size], GenerationConfig(**{**config.__dict__, "max_new_tokens": 4}))
+        engines[True].generate(prompts[:batch_size], replace(config, max_new_tokens=4))
         for _ in range(rounds):
             for on in (False, True):
-                for start in range(0, len(prompts), batch_size):
-                    _sync(target.device)
-                    result = engines[on].generate(prompts[start : start + batch_size], config)
-                    _sync(target.device)
+                for result in _run_batches(engines[on], prompts, config, batch_size):
                     totals[on][0] += result.new_tokens
                     totals[on][1] += result.seconds
     finally:
