@@ -54,6 +54,14 @@ TOPIC_TEMPLATES = (
     "Write a short paragraph describing {word}.",
     "Write a Python function whose job has something to do with {word}, and explain it.",
     "What questions would you ask an expert on {word}? List three.",
+    "Write a haiku about {word}.",
+    "Write a friendly email to a friend about {word}.",
+    "Why does {word} matter? Answer in a short paragraph.",
+    "How does {word} work? Explain briefly.",
+    "Write step-by-step instructions for a simple task involving {word}.",
+    "Write a short product description for something called {word}.",
+    "Write a short dialogue between two friends about {word}.",
+    "Write a Python class that models {word}, with one method and a usage example.",
 )
 
 
@@ -84,7 +92,7 @@ def docstring_items() -> Iterator[tuple[str, str]]:
                 yield f"{module_name}.{name}", summary
 
 
-def fortune_texts(limit: int = 3000) -> list[str]:
+def fortune_texts(limit: int = 12000) -> list[str]:
     texts: list[str] = []
     for directory in FORTUNE_DIRS:
         if not directory.is_dir():
@@ -100,7 +108,7 @@ def fortune_texts(limit: int = 3000) -> list[str]:
     return texts[:limit]
 
 
-def topic_words(limit: int = 20000) -> list[str]:
+def topic_words(limit: int = 40000) -> list[str]:
     words: set[str] = set()
     for path in WORD_LISTS:
         try:
