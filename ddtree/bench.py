@@ -8,7 +8,7 @@ the only comparison these numbers support.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -127,19 +127,25 @@ def telemetry_overhead(
     rounds: int,
     telemetry_config: Any,
 ) -> tuple[float, float]:
-    """Tokens per second with telemetry off and on, interleaved over `rounds` in one process."""
+    """Tokens per second with telemetry off and on, interleaved over `rounds` in one process.
+
+    Both engines are warmed up first (a cold first run costs seconds on a GPU). Then every batch runs off and
+    on back to back, the order alternating from one pair to the next, so that drift in clocks or load hits
+    both sides alike."""
     from telemetry import start_telemetry
 
     telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
     engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
     totals = {False: [0, 0.0], True: [0, 0.0]}
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     try:
-        engines[True].generate(prompts[:batch_size], replace(config, max_new_tokens=4))
-        for _ in range(rounds):
-            for on in (False, True):
-                for result in _run_batches(engines[on], prompts, config, batch_size):
-                    totals[on][0] += result.new_tokens
-                    totals[on][1] += result.seconds
+        for engine in engines.values():
+            engine.generate(batches[0], config)
+        for pair in range(rounds * len(batches)):
+            for on in (False, True) if (pair + pair // len(batches)) % 2 == 0 else (True, False):
+                result = _run_batches(engines[on], batches[pair % len(batches)], config, batch_size)[0]
+                totals[on][0] += result.new_tokens
+                totals[on][1] += result.seconds
     finally:
         telemetry.shutdown()
     return totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]

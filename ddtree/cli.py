@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: tokens/s of the first method and budget with telemetry off and on, interleaved",
     )
-    bench.add_argument("--rounds", type=int, default=3, help="off/on rounds for --telemetry-overhead")
+    bench.add_argument(
+        "--rounds", type=int, default=4, help="off/on rounds for --telemetry-overhead (the order alternates)"
+    )
     bench.set_defaults(func=_bench)
 
     analyze = sub.add_parser("analyze", help="turn DDTREE_DEBUG_METRICS step logs into tables and budget advice")

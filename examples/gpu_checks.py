@@ -59,7 +59,7 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
             telemetry.shutdown()
 
     for batch in (1, count):
-        off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 3, TELEMETRY_ON)
+        off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 4, TELEMETRY_ON)
         print(
             f"telemetry overhead, ddtree B=32, batch {batch}: "
             f"off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"

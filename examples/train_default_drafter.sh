@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The recipe behind the shipped default drafter (ddtree/models/smollm2_dflash), for one CUDA GPU.
+#   examples/train_default_drafter.sh prompts OUT           # the training prompts as JSONL, written where
+#                                                           # Debian's wamerican and fortunes are installed
 #   examples/train_default_drafter.sh prepare GGUF WORK     # convert the target, write training data
 #   examples/train_default_drafter.sh train WORK MINUTES    # train the drafter in WORK/drafter
 #   examples/train_default_drafter.sh train-bg WORK MINUTES # the same in the background (WORK/train.pid)
@@ -14,19 +16,24 @@ set -euo pipefail
 PY=${PYTHON:-python3}
 cmd=$1
 case "$cmd" in
+  prompts)
+    $PY -c "import json, sys; from ddtree.bench import heldout_prompts; from ddtree.train.prompts import \
+training_prompts; open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in \
+training_prompts(int(sys.argv[2]), exclude=set(heldout_prompts())))" "$2" "${NUM_PROMPTS:-32000}"
+    ;;
   prepare)
     gguf=$2 work=$3
     mkdir -p "$work"
     [ -f "$work/target/config.json" ] || $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work/target"
     $PY -m ddtree.cli drafter data --target "$work/target" --out "$work/data.jsonl" \
-      --num-prompts "${NUM_PROMPTS:-24000}" ${PROMPTS:+--prompts "$PROMPTS"} \
-      --max-new-tokens "${MAX_NEW_TOKENS:-192}" --batch-size "${DATA_BATCH:-1024}" --dtype bfloat16
+      --num-prompts "${NUM_PROMPTS:-32000}" ${PROMPTS:+--prompts "$PROMPTS"} \
+      --max-new-tokens "${MAX_NEW_TOKENS:-160}" --batch-size "${DATA_BATCH:-2048}" --dtype bfloat16
     ;;
   train)
     work=$2 minutes=$3
     $PY -m ddtree.cli drafter train --target "$work/target" --data "$work/data.jsonl" --out "$work/drafter" \
-      --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size "${TRAIN_BATCH:-32}" \
+      --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size "${TRAIN_BATCH:-64}" \
       --anchors 32 --lr 6e-4 --max-minutes "$minutes" --checkpoint-every 500 ${INIT:+--init "$INIT"}
     ;;
   train-bg)
@@ -60,7 +67,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work
       --max-new-tokens 128 --json "$work/bench.json"
     ;;
   *)
-    echo "usage: $0 prepare GGUF WORK | train WORK MINUTES | train-bg WORK MINUTES | wait WORK | bench WORK" \
+    echo "usage: $0 prompts OUT | prepare GGUF WORK | train WORK MINUTES | train-bg WORK MINUTES | wait WORK | bench WORK" \
       "| all GGUF WORK MINUTES | all-bg GGUF WORK MINUTES" >&2
     exit 2
     ;;
