@@ -147,18 +147,12 @@ class Collector:
         assert self.info is not None
         wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
         active = [e > 0 for e in record.emitted]
-        rows = record.depth_counts.numpy() if record.depth_counts is not None else None  # [batch, nodes]
-        per_depth = [0] * (rows.shape[1] if rows is not None else 1)
-        nodes: list[int] = []
-        for b, is_active in enumerate(active):
-            if not is_active:
-                continue
-            if rows is not None:
-                nodes.append(int(rows[b, 1:].sum()))
-                for d in range(1, rows.shape[1]):
-                    per_depth[d] += int(rows[b, d])
-            else:
-                nodes.append(0)
+        if record.depth_counts is not None:
+            rows = record.depth_counts.numpy()[active]  # [active requests, nodes]: node counts by depth
+            nodes: list[int] = rows[:, 1:].sum(axis=1).tolist()
+            per_depth: list[int] = [0, *rows[:, 1:].sum(axis=0).tolist()]
+        else:
+            nodes, per_depth = [0] * sum(active), [0]
         accepted = [n for n, a in zip(record.accepted, active, strict=True) if a]
         accepted_per_depth = [0] * len(per_depth)
         for n in accepted:
