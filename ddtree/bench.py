@@ -130,7 +130,7 @@ def telemetry_overhead(
     """Tokens per second with telemetry off and on, interleaved over `rounds` in one process.
 
     Both engines are warmed up first (a cold first run costs seconds on a GPU). Then every batch runs off and
-    on back to back, the order alternating from one pair to the next, so that drift in clocks or load hits
+    on back to back, the order alternating from batch to batch and round to round, so that drift in clocks or load hits
     both sides alike."""
     from telemetry import start_telemetry
 
@@ -141,11 +141,12 @@ def telemetry_overhead(
     try:
         for engine in engines.values():
             engine.generate(batches[0], config)
-        for pair in range(rounds * len(batches)):
-            for on in (False, True) if (pair + pair // len(batches)) % 2 == 0 else (True, False):
-                result = _run_batches(engines[on], batches[pair % len(batches)], config, batch_size)[0]
-                totals[on][0] += result.new_tokens
-                totals[on][1] += result.seconds
+        for round_index in range(rounds):
+            for index, batch in enumerate(batches):
+                for on in (False, True) if (round_index + index) % 2 == 0 else (True, False):
+                    result = _run_batches(engines[on], batch, config, batch_size)[0]
+                    totals[on][0] += result.new_tokens
+                    totals[on][1] += result.seconds
     finally:
         telemetry.shutdown()
     return totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]
