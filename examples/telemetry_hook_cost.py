@@ -14,21 +14,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from gpu_checks import TELEMETRY_ON  # the same set-up: OTLP endpoint down, Prometheus, logs to /dev/null
+
 from ddtree.bench import heldout_prompts
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.models.default import default_drafter, default_target
 from ddtree.runtime import eos_ids, load_pair
 from ddtree.train.data import chat_ids
 from telemetry import start_telemetry
-from telemetry.config import TelemetryConfig
-
-TELEMETRY_ON = TelemetryConfig(
-    enabled=True,
-    otlp_endpoint="http://127.0.0.1:9",
-    otlp_protocol="http/protobuf",
-    prometheus_port=0,
-    log_file="/dev/null",
-)
 
 
 def timed(fn: Callable[..., Any], name: str, spent: defaultdict[str, float]) -> Callable[..., Any]:
