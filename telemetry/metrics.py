@@ -36,7 +36,7 @@ class MetricsSink:
     scrape or an export), so the decode thread pays a few dict updates instead of an SDK call per label."""
 
     def __init__(self, meter: Any) -> None:
-        self.totals: defaultdict[tuple[str, Labels], int] = defaultdict(int)
+        self.totals: dict[str, defaultdict[Labels, int]] = {name: defaultdict(int) for name, _ in COUNTERS}
         for name, description in COUNTERS:
             meter.create_observable_counter(name, callbacks=[self._observe(name)], description=description)
         self.acceptance_length = meter.create_histogram(
@@ -57,9 +57,11 @@ class MetricsSink:
         )
 
     def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        totals = self.totals[name]
+
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            items = list(self.totals.items())  # one C-level copy: safe against the decode thread's updates
-            return [Observation(value, dict(labels)) for (metric, labels), value in items if metric == name]
+            items = list(totals.items())  # one C-level copy: safe against the decode thread's updates
+            return [Observation(value, dict(labels)) for labels, value in items]
 
         return observe
 
@@ -69,14 +71,14 @@ class MetricsSink:
     def step(self, stats: StepStats) -> None:
         method = ((sc.LABEL_METHOD, stats.info.method),)
         totals = self.totals
-        totals[(sc.METRIC_STEPS, method)] += 1
-        totals[(sc.METRIC_DRAFT_TOKENS, method)] += sum(stats.tree_nodes)
-        totals[(sc.METRIC_ACCEPTED_TOKENS, method)] += sum(stats.accepted)
-        totals[(sc.METRIC_EMITTED_TOKENS, method)] += sum(stats.emitted)
+        totals[sc.METRIC_STEPS][method] += 1
+        totals[sc.METRIC_DRAFT_TOKENS][method] += sum(stats.tree_nodes)
+        totals[sc.METRIC_ACCEPTED_TOKENS][method] += sum(stats.accepted)
+        totals[sc.METRIC_EMITTED_TOKENS][method] += sum(stats.emitted)
         for depth in range(1, stats.tree_depth + 1):
             labels = (*method, (sc.LABEL_DEPTH, str(depth)))
-            totals[(sc.METRIC_TREE_NODES_PER_DEPTH, labels)] += stats.nodes_per_depth[depth]
-            totals[(sc.METRIC_ACCEPTED_PER_DEPTH, labels)] += stats.accepted_per_depth[depth]
+            totals[sc.METRIC_TREE_NODES_PER_DEPTH][labels] += stats.nodes_per_depth[depth]
+            totals[sc.METRIC_ACCEPTED_PER_DEPTH][labels] += stats.accepted_per_depth[depth]
         attributes = dict(method)
         for n, nodes in zip(stats.accepted, stats.tree_nodes, strict=True):
             self.acceptance_length.record(n + 1, attributes)
@@ -86,6 +88,6 @@ class MetricsSink:
 
     def end_requests(self, info: GenerateInfo, results: list[RequestResult]) -> None:
         # The first token of each request comes from prefill, outside any step.
-        self.totals[(sc.METRIC_EMITTED_TOKENS, ((sc.LABEL_METHOD, info.method),))] += sum(
+        self.totals[sc.METRIC_EMITTED_TOKENS][((sc.LABEL_METHOD, info.method),)] += sum(
             1 for r in results if r.output_tokens
         )
