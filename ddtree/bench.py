@@ -7,6 +7,7 @@ the only comparison these numbers support.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -118,35 +119,102 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
     ]
 
 
+@dataclass(frozen=True)
+class PairSpec:
+    """Where a process finds the pair: paths, device and dtype, as `ddtree.runtime.load_pair` takes them."""
+
+    model: str
+    drafter: str | None
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+def overhead_schedule(batches: int, rounds: int) -> list[tuple[int, bool]]:
+    """(batch index, telemetry on) in run order: every batch off and on back to back, the order alternating
+    from batch to batch and round to round, so that drift in clocks or load hits both sides alike."""
+    return [
+        (index, on)
+        for round_index in range(rounds)
+        for index in range(batches)
+        for on in ((False, True) if (round_index + index) % 2 == 0 else (True, False))
+    ]
+
+
 def telemetry_overhead(
-    target: Target,
-    drafter: Any,
+    pair: PairSpec,
     prompts: list[list[int]],
     config: GenerationConfig,
     batch_size: int,
     rounds: int,
     telemetry_config: Any,
 ) -> tuple[float, float]:
-    """Tokens per second with telemetry off and on, interleaved over `rounds` in one process.
+    """Tokens per second with telemetry off and on, interleaved (`overhead_schedule`) over `rounds`.
 
-    Both engines are warmed up first (a cold first run costs seconds on a GPU). Then every batch runs off and
-    on back to back, the order alternating from batch to batch and round to round, so that drift in clocks or load hits
-    both sides alike."""
-    from telemetry import start_telemetry
+    Off and on run in two processes of their own, one at a time: telemetry's threads (exporters, NVML)
+    live only in the process that has telemetry on, as they would in a deployment, so they cannot slow the
+    off side. Each process loads the pair and warms up on the first batch before any timing."""
+    import multiprocessing
 
-    telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
-    engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
-    totals = {False: [0, 0.0], True: [0, 0.0]}
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    context = multiprocessing.get_context("spawn")
+    workers: dict[bool, Any] = {}
+    totals = {False: [0, 0.0], True: [0, 0.0]}
     try:
-        for engine in engines.values():
-            engine.generate(batches[0], config)
-        for round_index in range(rounds):
-            for index, batch in enumerate(batches):
-                for on in (False, True) if (round_index + index) % 2 == 0 else (True, False):
-                    result = _run_batches(engines[on], batch, config, batch_size)[0]
-                    totals[on][0] += result.new_tokens
-                    totals[on][1] += result.seconds
+        for on in (False, True):
+            ours, theirs = context.Pipe()
+            args = (theirs, pair, telemetry_config if on else None, batches, config)
+            process = context.Process(target=_overhead_worker, args=args, daemon=True)
+            process.start()
+            workers[on] = (process, ours)
+        for on in (False, True):
+            _reply(workers[on][1])  # loaded and warmed up
+        for index, on in overhead_schedule(len(batches), rounds):
+            workers[on][1].send(index)
+            tokens, seconds = _reply(workers[on][1])
+            totals[on][0] += tokens
+            totals[on][1] += seconds
     finally:
-        telemetry.shutdown()
+        for process, conn in workers.values():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
     return totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]
+
+
+def _reply(conn: Any) -> Any:
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        raise UserError("a telemetry-overhead worker process died (see its output above)") from None
+    if kind == "error":
+        raise UserError(f"telemetry-overhead worker: {value}")
+    return value
+
+
+def _overhead_worker(
+    conn: Any, pair: PairSpec, telemetry_config: Any, batches: list[list[list[int]]], config: GenerationConfig
+) -> None:
+    """One side of `telemetry_overhead`: load, warm up, then run the batches it is sent until None."""
+    from ddtree.runtime import load_pair
+
+    telemetry = None
+    try:
+        target, drafter, _ = load_pair(pair.model, pair.drafter, pair.device, pair.dtype)
+        engine = Engine(target, drafter)
+        if telemetry_config is not None:
+            from telemetry import start_telemetry
+
+            telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
+            engine = Engine(target, drafter, observer=telemetry.observer)
+        engine.generate(batches[0], config)
+        conn.send(("ready", None))
+        while (index := conn.recv()) is not None:
+            result = _run_batches(engine, batches[index], config, len(batches[index]))[0]
+            conn.send(("ok", (result.new_tokens, result.seconds)))
+    except Exception as exc:  # reported to the parent, which exits with a clear message
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()

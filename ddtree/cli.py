@@ -218,7 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise UserError("bench needs a model with a tokenizer")
     if args.telemetry_overhead:
-        return _overhead(args, target, drafter, tokenizer, prompts, methods[0])
+        return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
     rows = run_bench(
         target,
         drafter,
@@ -240,10 +240,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _overhead(
-    args: argparse.Namespace, target: Any, drafter: Any, tokenizer: Any, prompts: list[str], method: str
+    args: argparse.Namespace,
+    paths: tuple[str, str | None],
+    target: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    method: str,
 ) -> int:
     """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs."""
-    from ddtree.bench import telemetry_overhead
+    from ddtree.bench import PairSpec, telemetry_overhead
     from ddtree.engine.decode import GenerationConfig
     from ddtree.runtime import eos_ids
     from ddtree.train.data import chat_ids
@@ -266,7 +271,8 @@ def _overhead(
         log_file=env.log_file or os.devnull,
     )
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    off_tps, on_tps = telemetry_overhead(target, drafter, encoded, config, args.batch_size, args.rounds, on)
+    pair = PairSpec(paths[0], paths[1], args.device, args.dtype)
+    off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds, on)
     label = method if method != "ddtree" else f"ddtree B={args.budgets[0]}"
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from ddtree.bench import heldout_prompts, telemetry_overhead
+from ddtree.bench import PairSpec, heldout_prompts, telemetry_overhead
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.models.default import default_drafter
 from ddtree.runtime import eos_ids, load_pair
@@ -59,7 +59,8 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
             telemetry.shutdown()
 
     for batch in (1, count):
-        off, on = telemetry_overhead(target, drafter, prompts, cfg, batch, 4, TELEMETRY_ON)
+        pair = PairSpec(target_dir, drafter_dir, device, "bfloat16" if device == "cuda" else "float32")
+        off, on = telemetry_overhead(pair, prompts, cfg, batch, 4, TELEMETRY_ON)
         print(
             f"telemetry overhead, ddtree B=32, batch {batch}: "
             f"off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"

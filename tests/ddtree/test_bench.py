@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from ddtree.cli import main
 
@@ -34,29 +33,32 @@ def test_bench_rejects_unknown_methods(tiny_dirs: tuple[Path, Path], capsys: pyt
     assert "--methods" in capsys.readouterr().err
 
 
-def test_telemetry_overhead_warms_both_engines_and_alternates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cold first run is slow on a GPU: both engines are warmed, and every batch runs off and on in
-    alternating order, so neither side always goes first."""
-    from ddtree import bench
-    from ddtree.engine.decode import GenerationConfig, GenerationResult, RequestOutput
-    from telemetry.config import TelemetryConfig
-    from telemetry.hooks import NOOP
+def test_overhead_schedule_alternates() -> None:
+    """Every batch runs off and on back to back, and goes first both ways over the rounds."""
+    from ddtree.bench import overhead_schedule
 
-    calls: list[tuple[bool, int]] = []
-
-    def fake_generate(self: bench.Engine, prompts: list[list[int]], config: GenerationConfig) -> GenerationResult:
-        calls.append((self.observer is not NOOP, prompts[0][0]))
-        return GenerationResult(outputs=[RequestOutput(token_ids=[1, 2])], steps=1, seconds=0.01)
-
-    monkeypatch.setattr(bench.Engine, "generate", fake_generate)
-    target = type("T", (), {"device": torch.device("cpu")})()
-    config = TelemetryConfig(enabled=True, traces_exporter="none", metrics_exporter="none", log_file="/dev/null")
-    prompts = [[0], [1], [2]]
-    bench.telemetry_overhead(target, None, prompts, GenerationConfig(), 1, 2, config)  # type: ignore[arg-type]
-    assert sorted(calls[:2]) == [(False, 0), (True, 0)], "both engines warmed up on the first batch"
-    runs = calls[2:]
-    assert len(runs) == 2 * 2 * len(prompts)
+    runs = overhead_schedule(3, 2)
+    assert len(runs) == 2 * 2 * 3
     pairs = [runs[i : i + 2] for i in range(0, len(runs), 2)]
-    assert all({a[0], b[0]} == {False, True} and a[1] == b[1] for a, b in pairs), "off and on back to back"
-    firsts = {(batch, first_on) for (first_on, batch), _ in pairs}
-    assert firsts == {(b, on) for b in range(3) for on in (False, True)}, "each batch goes first both ways"
+    assert all({a[1], b[1]} == {False, True} and a[0] == b[0] for a, b in pairs), "off and on back to back"
+    assert {(a[0], a[1]) for a, _ in pairs} == {(b, on) for b in range(3) for on in (False, True)}
+
+
+def test_telemetry_overhead_runs_telemetry_only_in_the_on_process(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Off and on are separate processes: only the on side observes, and it observes every batch it runs."""
+    from ddtree.bench import PairSpec, telemetry_overhead
+    from ddtree.engine.decode import GenerationConfig
+    from telemetry.config import TelemetryConfig
+
+    target, drafter = tiny_dirs
+    log = tmp_path / "steps.jsonl"
+    config = TelemetryConfig(enabled=True, traces_exporter="none", metrics_exporter="none", log_file=str(log))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    generation = GenerationConfig(budget=4, max_new_tokens=6)
+    off, on = telemetry_overhead(PairSpec(str(target), str(drafter), "cpu"), prompts, generation, 2, 2, config)
+    assert off > 0 and on > 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    requests = [line for line in lines if line["event"] == "ddtree.request"]
+    # The warm-up batch (2 prompts), then batches of 2 and 1 prompts in each of 2 rounds: 8 requests, once each.
+    assert len(requests) == 2 + 2 * 3
+    assert all(r["output_tokens"] == 6 for r in requests)

@@ -1,0 +1,46 @@
+"""Which part of telemetry costs decode speed: off/on ratio with parts of it turned off, in one process.
+
+python examples/telemetry_ablation.py TARGET_DIR [DRAFTER_DIR [DEVICE [BATCH [ROUNDS]]]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from gpu_checks import TELEMETRY_ON
+
+from ddtree.bench import PairSpec, heldout_prompts, telemetry_overhead
+from ddtree.engine.decode import GenerationConfig
+from ddtree.models.default import default_drafter
+from ddtree.runtime import eos_ids, load_pair
+from ddtree.train.data import chat_ids
+
+VARIANTS = {
+    "all on": {},
+    "no traces": {"traces_exporter": "none"},
+    "no nvml": {"nvml_interval_ms": 0},
+    "no metrics exporter": {"metrics_exporter": "none"},
+    "logs only": {"traces_exporter": "none", "metrics_exporter": "none", "nvml_interval_ms": 0},
+}
+
+
+def main(target_dir: str, drafter_dir: str, device: str, batch: int, rounds: int) -> None:
+    target, _, tokenizer = load_pair(target_dir, drafter_dir, device, "auto")
+    prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: 4 * batch]]
+    cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=64, eos_token_ids=eos_ids(tokenizer, target))
+    for name, change in VARIANTS.items():
+        pair = PairSpec(target_dir, drafter_dir, device)
+        off, on = telemetry_overhead(pair, prompts, cfg, batch, rounds, dataclasses.replace(TELEMETRY_ON, **change))
+        print(f"batch {batch}, {name:<20} off {off:8.1f} tok/s, on {on:8.1f} tok/s, on/off {on / off:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(
+        a[0],
+        (a[1] if len(a) > 1 else "") or str(default_drafter()),
+        a[2] if len(a) > 2 else "cuda",
+        int(a[3]) if len(a) > 3 else 16,
+        int(a[4]) if len(a) > 4 else 3,
+    )
