@@ -5,6 +5,10 @@ sizes per depth) are copied with `non_blocking=True` into pinned buffers behind 
 stage times are CUDA events; a step's record is resolved only once its last event has completed, at a
 later hook call. Nothing here calls `.item()`, `.tolist()`, `.cpu()` or a synchronize during a step.
 Resolved `StepStats` go to sinks (metrics, logs, traces), which never touch the device.
+
+Where the host time goes: the sinks run when the verify stage has been launched, so on a GPU that is busy
+verifying they overlap the verify forward instead of adding to the idle time between steps. Consecutive
+stages share their boundary mark, and events and pinned buffers are reused.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from telemetry import semconv as sc
 from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.timing import StageClock, clock_for
 
@@ -67,6 +72,9 @@ class _Pending:
     emitted: list[int] = field(default_factory=list)
 
 
+MAX_PENDING = 8  # records left unresolved before a step start resolves them (when no verify stage ran)
+
+
 class Collector:
     """Implements `telemetry.hooks.StepObserver`."""
 
@@ -78,31 +86,42 @@ class Collector:
         self.pending: deque[_Pending] = deque()
         self.current: _Pending | None = None
         self.open_stage: tuple[str, int] | None = None
+        self.boundary: int | None = None  # index of the mark the next stage starts at, if one is due
+        self.host_buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
         self._each_sink("start_requests", info)
 
     def on_step_start(self, step: int, batch_size: int) -> None:
-        self._drain()
+        if len(self.pending) >= MAX_PENDING:
+            self._drain()
         self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()])
+        self.boundary = 0
 
     def on_stage_start(self, stage: str) -> None:
         assert self.current is not None
-        self.current.marks.append(self.clock.mark())
-        self.open_stage = (stage, len(self.current.marks) - 1)
+        if self.boundary is None:
+            self.current.marks.append(self.clock.mark())
+            self.boundary = len(self.current.marks) - 1
+        self.open_stage = (stage, self.boundary)
+        self.boundary = None
 
     def on_stage_end(self, stage: str) -> None:
         assert self.current is not None and self.open_stage is not None
         self.current.marks.append(self.clock.mark())
-        self.current.stages[stage] = (self.open_stage[1], len(self.current.marks) - 1)
+        self.boundary = len(self.current.marks) - 1
+        self.current.stages[stage] = (self.open_stage[1], self.boundary)
         self.open_stage = None
+        if stage == sc.STAGE_VERIFY:
+            self._drain()  # earlier steps, while the device verifies this one
 
     def on_tree(self, tree: DraftTree) -> None:
         assert self.current is not None
         counts = torch.zeros(tree.depths.shape, dtype=torch.int32, device=tree.depths.device)  # [batch, nodes]
         counts.scatter_add_(1, tree.depths, tree.valid.to(torch.int32))
-        host = torch.empty(counts.shape, dtype=torch.int32, pin_memory=self.pinned)
+        free = self.host_buffers.setdefault(tuple(counts.shape), [])
+        host = free.pop() if free else torch.empty(counts.shape, dtype=torch.int32, pin_memory=self.pinned)
         host.copy_(counts, non_blocking=True)
         self.current.depth_counts = host
 
@@ -116,7 +135,7 @@ class Collector:
         self.current.marks.append(self.clock.mark())  # completes after the copies above
         self.pending.append(self.current)
         self.current = None
-        self._drain()
+        self.boundary = None
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
         # The engine has read the last step's tokens, so these events are complete: this never waits.
@@ -130,7 +149,11 @@ class Collector:
             record = self.pending.popleft()
             if wait and not self.clock.ready(record.marks):
                 record.marks[-1].synchronize()
-            self._each_sink("step", self._resolve(record))
+            stats = self._resolve(record)
+            self.clock.release(record.marks)
+            if record.depth_counts is not None:
+                self.host_buffers[tuple(record.depth_counts.shape)].append(record.depth_counts)
+            self._each_sink("step", stats)
 
     def _each_sink(self, method: str, *args: Any) -> None:
         """Call every sink; one that raises is dropped with a warning, and decoding goes on."""

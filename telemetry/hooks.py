@@ -44,13 +44,14 @@ class StepObserver(Protocol):
         """A decode step begins."""
 
     def on_stage_start(self, stage: str) -> None:
-        """A stage (`telemetry.semconv.STAGES`) begins."""
+        """A stage (`telemetry.semconv.STAGES`) begins: right after the step began or the previous stage
+        ended (the loop does no work in between, so the two may share one time stamp)."""
 
     def on_stage_end(self, stage: str) -> None:
         """The stage that began last ends."""
 
     def on_tree(self, tree: DraftTree) -> None:
-        """The tree this step verifies (device tensors: read them without a sync)."""
+        """The tree this step verifies, inside the tree_build stage (device tensors: read them without a sync)."""
 
     def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
         """The accept result; `accepted` is the per-request count of accepted drafts, already on the host."""

@@ -18,6 +18,9 @@ class StageClock(Protocol):
     def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
         """Wall-clock times of `marks`, given the wall time of the first one. Call only when ready."""
 
+    def release(self, marks: list[Any]) -> None:
+        """The marks have been read: they may be recorded again."""
+
 
 class CpuClock:
     def mark(self) -> int:
@@ -29,15 +32,21 @@ class CpuClock:
     def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
         return [first_wall_ns + (m - marks[0]) for m in marks]
 
+    def release(self, marks: list[Any]) -> None:
+        pass
+
 
 class CudaClock:
+    """Events are pooled: creating and destroying a CUDA event per mark costs more than recording one."""
+
     def __init__(self) -> None:
         import torch
 
         self._event = torch.cuda.Event
+        self._free: list[Any] = []
 
     def mark(self) -> Any:
-        event: Any = self._event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event: Any = self._free.pop() if self._free else self._event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
@@ -46,6 +55,9 @@ class CudaClock:
 
     def to_wall_ns(self, marks: list[Any], first_wall_ns: int) -> list[int]:
         return [first_wall_ns + int(marks[0].elapsed_time(m) * 1e6) for m in marks]
+
+    def release(self, marks: list[Any]) -> None:
+        self._free.extend(marks)
 
 
 def clock_for(device_type: str) -> StageClock:

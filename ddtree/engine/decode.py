@@ -97,8 +97,8 @@ class Engine:
             obs.on_stage_start(semconv.STAGE_TREE_BUILD)
             tree = proposer.build(logits, batch)
             ancestors = ancestor_mask(tree)  # [batch, nodes, nodes]
-            obs.on_stage_end(semconv.STAGE_TREE_BUILD)
             obs.on_tree(tree)
+            obs.on_stage_end(semconv.STAGE_TREE_BUILD)
 
             obs.on_stage_start(semconv.STAGE_VERIFY)
             tokens = torch.where(tree.tokens < 0, 0, tree.tokens)
