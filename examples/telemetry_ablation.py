@@ -1,6 +1,9 @@
-"""Which part of telemetry costs decode speed: off/on ratio with parts of it turned off, in one process.
+"""Which part of telemetry costs decode speed: the off/on ratio with parts of telemetry turned off.
 
-python examples/telemetry_ablation.py TARGET_DIR [DRAFTER_DIR [DEVICE [BATCH [ROUNDS]]]]
+    python examples/telemetry_ablation.py TARGET_DIR [DRAFTER_DIR [DEVICE [BATCH [ROUNDS [PROMPTS [VARIANTS]]]]]]
+
+VARIANTS is a comma-separated list of the names below (default: all). Each variant is one
+`ddtree.bench.telemetry_overhead` run: off and on in two processes, batches interleaved.
 """
 
 from __future__ import annotations
@@ -17,22 +20,23 @@ from ddtree.runtime import eos_ids, load_pair
 from ddtree.train.data import chat_ids
 
 VARIANTS = {
-    "all on": {},
-    "no traces": {"traces_exporter": "none"},
-    "no nvml": {"nvml_interval_ms": 0},
-    "no metrics exporter": {"metrics_exporter": "none"},
-    "logs only": {"traces_exporter": "none", "metrics_exporter": "none", "nvml_interval_ms": 0},
+    "all-on": {},
+    "no-traces": {"traces_exporter": "none"},
+    "no-nvml": {"nvml_interval_ms": 0},
+    "no-metrics-exporter": {"metrics_exporter": "none"},
+    "logs-only": {"traces_exporter": "none", "metrics_exporter": "none", "nvml_interval_ms": 0},
 }
 
 
-def main(target_dir: str, drafter_dir: str, device: str, batch: int, rounds: int) -> None:
-    target, _, tokenizer = load_pair(target_dir, drafter_dir, device, "auto")
-    prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: 4 * batch]]
+def main(target_dir: str, drafter_dir: str, device: str, batch: int, rounds: int, count: int, names: list[str]) -> None:
+    target, _, tokenizer = load_pair(target_dir, None, "cpu", "float32")  # the tokenizer and end tokens only
+    prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=64, eos_token_ids=eos_ids(tokenizer, target))
-    for name, change in VARIANTS.items():
-        pair = PairSpec(target_dir, drafter_dir, device)
-        off, on = telemetry_overhead(pair, prompts, cfg, batch, rounds, dataclasses.replace(TELEMETRY_ON, **change))
-        print(f"batch {batch}, {name:<20} off {off:8.1f} tok/s, on {on:8.1f} tok/s, on/off {on / off:.3f}", flush=True)
+    pair = PairSpec(target_dir, drafter_dir, device)
+    for name in names:
+        config = dataclasses.replace(TELEMETRY_ON, **VARIANTS[name])
+        off, on = telemetry_overhead(pair, prompts, cfg, batch, rounds, config)
+        print(f"batch {batch}, {name:<20} off {off:8.1f} tok/s, on {on:8.1f} tok/s, on/off {on / off:.4f}", flush=True)
 
 
 if __name__ == "__main__":
@@ -43,4 +47,6 @@ if __name__ == "__main__":
         a[2] if len(a) > 2 else "cuda",
         int(a[3]) if len(a) > 3 else 16,
         int(a[4]) if len(a) > 4 else 3,
+        int(a[5]) if len(a) > 5 else 64,
+        a[6].split(",") if len(a) > 6 else list(VARIANTS),
     )
