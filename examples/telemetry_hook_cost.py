@@ -1,13 +1,18 @@
-"""Wall time that telemetry spends on the decode thread, per step, hook by hook and sink by sink.
+"""Where telemetry's cost goes, per decode step: step time with telemetry off (before it is started) and on,
+the wall time inside each hook and sink, and the time the garbage collector takes, in one process.
 
-    python examples/telemetry_hook_cost.py [TARGET_DIR [DRAFTER_DIR [DEVICE]]]
+    python examples/telemetry_hook_cost.py [TARGET_DIR [DRAFTER_DIR [DEVICE [FIELD=VALUE ...]]]]
 
 Defaults: the default pair on CPU. Spans go to an OTLP endpoint that is down, metrics to Prometheus, logs to
-/dev/null, as in `ddtree bench --telemetry-overhead`.
+/dev/null, as in `ddtree bench --telemetry-overhead`; FIELD=VALUE changes a `TelemetryConfig` string field
+(e.g. traces_exporter=none). If the step grows by more than the hooks take, the rest is spent outside them
+(telemetry's threads, the collector's garbage, the device).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import sys
 import time
 from collections import defaultdict
@@ -35,29 +40,57 @@ def timed(fn: Callable[..., Any], name: str, spent: defaultdict[str, float]) -> 
     return wrapper
 
 
+def gc_clock(spent: defaultdict[str, float]) -> Callable[[str, dict[str, Any]], None]:
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent["(garbage collector)"] += time.perf_counter() - started[0]
+
+    return callback
+
+
+def run(engine: Engine, prompts: list[list[int]], config: GenerationConfig, batch: int) -> tuple[int, float]:
+    results = [engine.generate(prompts[i : i + batch], config) for i in range(0, len(prompts), batch)]
+    return sum(r.steps for r in results), sum(r.seconds for r in results)
+
+
 def main(target_dir: str, drafter_dir: str, device: str) -> None:
     target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device, "auto")
     prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:8]]
-    telemetry = start_telemetry(TELEMETRY_ON, device_type=target.device.type)
-    observer: Any = telemetry.observer
+    config = GenerationConfig(method="ddtree", budget=32, max_new_tokens=48, eos_token_ids=eos_ids(tokenizer, target))
     spent: defaultdict[str, float] = defaultdict(float)
+    gc.callbacks.append(gc_clock(spent))
+    off = Engine(target, drafter)
+    off.generate(prompts[:1], config)  # warm-up
+    baseline = {}
+    for batch in (1, 8):
+        spent.clear()
+        steps, seconds = run(off, prompts, config, batch)
+        baseline[batch] = (seconds / steps, spent["(garbage collector)"] / steps)
+
+    telemetry = start_telemetry(
+        dataclasses.replace(TELEMETRY_ON, **dict(kv.split("=", 1) for kv in sys.argv[4:])),  # type: ignore[arg-type]
+        device_type=target.device.type,
+    )
+    observer: Any = telemetry.observer
     hooks = [name for name in dir(observer) if name.startswith("on_")]
     for name in hooks:
         setattr(observer, name, timed(getattr(observer, name), name, spent))
     for sink in observer.sinks:
         sink.step = timed(sink.step, f"  {type(sink).__name__}.step", spent)
-    config = GenerationConfig(method="ddtree", budget=32, max_new_tokens=48, eos_token_ids=eos_ids(tokenizer, target))
     engine = Engine(target, drafter, observer=observer)
     engine.generate(prompts[:1], config)  # warm-up
     try:
         for batch in (1, 8):
             spent.clear()
-            results = [engine.generate(prompts[i : i + batch], config) for i in range(0, len(prompts), batch)]
-            steps = sum(r.steps for r in results)
-            seconds = sum(r.seconds for r in results)
+            steps, seconds = run(engine, prompts, config, batch)
             hook_total = sum(v for k, v in spent.items() if k in hooks)
-            print(f"batch {batch}: {steps} steps, {seconds / steps * 1e3:.1f} ms per step, telemetry hooks")
-            print(f"  {hook_total / steps * 1e6:.0f} us per step ({hook_total / seconds:.2%} of the time)")
+            off_ms, gc_us = baseline[batch][0] * 1e3, baseline[batch][1] * 1e6
+            print(f"batch {batch}: {steps} steps; per step: off {off_ms:.1f} ms (gc {gc_us:.0f} us),", end="")
+            print(f" on {seconds / steps * 1e3:.1f} ms; hooks {hook_total / steps * 1e6:.0f} us")
             for name, value in sorted(spent.items(), key=lambda kv: -kv[1]):
                 print(f"  {name:<28}{value / steps * 1e6:>8.0f} us per step")
     finally:

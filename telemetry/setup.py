@@ -143,7 +143,7 @@ def build(
     if inner is not None:
         tracer_provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
         exporter = CountingExporter(inner, log, meter.create_counter(sc.METRIC_DROPPED_SPANS))
-        tracer_provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=8192, schedule_delay_millis=500))
+        tracer_provider.add_span_processor(BatchSpanProcessor(exporter))  # sized by the OTEL_BSP_* variables
         closers.append(tracer_provider.shutdown)
         trace_sink = TraceSink(
             tracer_provider.get_tracer(sc.INSTRUMENTATION_SCOPE), model_name, config.log_content, detokenize

@@ -66,9 +66,10 @@ class TraceSink:
                 sc.ATTR_MEAN_ACCEPTANCE: sum(lengths) / len(lengths) if lengths else 0.0,
             },
         )
-        parent = trace.set_span_in_context(step_span)
-        for stage, (start, end) in stats.stage_ns.items():
-            self.tracer.start_span(sc.stage_span_name(stage), context=parent, start_time=start).end(end_time=end)
+        if step_span.is_recording():  # a step the sampler left out costs no stage spans either
+            parent = trace.set_span_in_context(step_span)
+            for stage, (start, end) in stats.stage_ns.items():
+                self.tracer.start_span(sc.stage_span_name(stage), context=parent, start_time=start).end(end_time=end)
         step_span.end(end_time=stats.end_ns)
         self.last_trace_id = format_trace_id(step_span.get_span_context().trace_id)
 

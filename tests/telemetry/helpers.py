@@ -43,9 +43,9 @@ class Captured:
         return sum(p.value for p in self.metric_points().get(name, []))
 
 
-def captured_telemetry(log_content: bool = False) -> Captured:
+def captured_telemetry(log_content: bool = False, sampler: Any = None) -> Captured:
     spans = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
+    tracer_provider = TracerProvider(sampler=sampler)
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("test")

@@ -134,3 +134,26 @@ def test_a_failing_sink_is_dropped_and_decoding_goes_on() -> None:
         )
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert captured.counter(sc.METRIC_EMITTED_TOKENS) == 8, "the other sinks keep working"
+
+
+def test_steps_the_sampler_leaves_out_get_no_stage_spans() -> None:
+    """Stage spans follow their step span: a sampler that drops step spans (and would keep anything else)
+    leaves no stage spans either, and the step logs go on."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+    class DropSteps(Sampler):
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, *args: Any, **kwargs: Any) -> Any:
+            return SamplingResult(Decision.DROP if name == sc.SPAN_STEP else Decision.RECORD_AND_SAMPLE)
+
+        def get_description(self) -> str:
+            return "DropSteps"
+
+    target, drafter = tiny_pair(0, vocab=16)
+    captured = captured_telemetry(sampler=DropSteps())
+    result = Engine(target, drafter, observer=captured.collector).generate(
+        [[1, 2], [3]], GenerationConfig(max_new_tokens=6)
+    )
+    names = {s.name for s in captured.spans.get_finished_spans()}
+    assert names == {sc.SPAN_REQUEST}
+    steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
+    assert len(steps) == result.steps > 0
