@@ -11,9 +11,9 @@ from typing import IO, Any, TextIO, cast
 import structlog
 
 from telemetry import semconv as sc
-from telemetry.collector import StepStats
 from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.stats import StepStats
 
 
 def open_log_stream(config: TelemetryConfig) -> IO[str]:

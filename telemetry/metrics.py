@@ -16,8 +16,8 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from telemetry import semconv as sc
-from telemetry.collector import StepStats
 from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.stats import StepStats
 
 Labels = tuple[tuple[str, str], ...]
 

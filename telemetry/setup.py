@@ -21,11 +21,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 
 from telemetry import semconv as sc
-from telemetry.collector import Collector, StatsSink
+from telemetry.collector import Collector
 from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.logging import LogSink, make_logger, open_log_stream
 from telemetry.metrics import MetricsSink
 from telemetry.nvml import NvmlSampler
+from telemetry.stats import StatsSink
 from telemetry.tracing import TraceSink
 
 
@@ -128,6 +129,20 @@ def _metric_readers(
 def build(
     config: TelemetryConfig, device_type: str, model_name: str, detokenize: Callable[[list[int]], str] | None
 ) -> Telemetry:
+    """The collector in this process; its sinks in an exporter process (`telemetry.process`)."""
+    from telemetry.process import ExporterProcess
+
+    exporter = ExporterProcess(config, device_type, model_name, detokenize)
+    return Telemetry(
+        observer=Collector([exporter], device_type), prometheus_port=exporter.prometheus_port, closers=[exporter.close]
+    )
+
+
+def build_sinks(
+    config: TelemetryConfig, device_type: str, model_name: str, detokenize: Callable[[list[int]], str] | None
+) -> tuple[list[StatsSink], list[Callable[[], None]], int | None]:
+    """The sinks (spans, metrics, logs), NVML sampling and their exporters; what closes them; the port of
+    the Prometheus endpoint, if one is served."""
     closers: list[Callable[[], None]] = []
     stream: IO[str] = open_log_stream(config)
     # Exporter failures are counted and logged once by CountingExporter, not once per retry by the SDK.
@@ -158,4 +173,4 @@ def build(
     closers.append(meter_provider.shutdown)
     if stream.name not in ("<stderr>", "<stdout>"):
         closers.append(stream.close)
-    return Telemetry(observer=Collector(sinks, device_type), prometheus_port=port, closers=closers)
+    return sinks, closers, port

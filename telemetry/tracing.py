@@ -13,8 +13,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, format_trace_id
 
 from telemetry import semconv as sc
-from telemetry.collector import StepStats
 from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.stats import StepStats
 
 
 class TraceSink:
