@@ -3,12 +3,15 @@
     python examples/telemetry_ablation.py TARGET_DIR [DRAFTER_DIR [DEVICE [BATCH [ROUNDS [PROMPTS [VARIANTS]]]]]]
 
 VARIANTS is a comma-separated list of the names below (default: all). Each variant is one
-`ddtree.bench.telemetry_overhead` run: off and on in two processes, batches interleaved.
+`ddtree.bench.telemetry_overhead` run: off and on in two processes, batches interleaved. PROMPTS is a count
+of held-out prompts, or `random:N` for N random token-id prompts (for a target without a chat template, such
+as `ddtree models init-tiny --hidden-size 64 --num-layers 30`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 
 from gpu_checks import TELEMETRY_ON
@@ -28,10 +31,15 @@ VARIANTS = {
 }
 
 
-def main(target_dir: str, drafter_dir: str, device: str, batch: int, rounds: int, count: int, names: list[str]) -> None:
+def main(target_dir: str, drafter_dir: str, device: str, batch: int, rounds: int, count: str, names: list[str]) -> None:
     target, _, tokenizer = load_pair(target_dir, None, "cpu", "float32")  # the tokenizer and end tokens only
-    prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
-    cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=64, eos_token_ids=eos_ids(tokenizer, target))
+    if count.startswith("random:"):
+        rng = random.Random(0)
+        prompts = [[rng.randrange(5, 250) for _ in range(rng.randrange(20, 60))] for _ in range(int(count[7:]))]
+    else:
+        prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: int(count)]]
+    eos = () if count.startswith("random:") else eos_ids(tokenizer, target)  # random models: always 64 tokens
+    cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=64, eos_token_ids=eos)
     pair = PairSpec(target_dir, drafter_dir, device)
     for name in names:
         config = dataclasses.replace(TELEMETRY_ON, **VARIANTS[name])
@@ -47,6 +55,6 @@ if __name__ == "__main__":
         a[2] if len(a) > 2 else "cuda",
         int(a[3]) if len(a) > 3 else 16,
         int(a[4]) if len(a) > 4 else 3,
-        int(a[5]) if len(a) > 5 else 64,
+        a[5] if len(a) > 5 else "64",
         a[6].split(",") if len(a) > 6 else list(VARIANTS),
     )

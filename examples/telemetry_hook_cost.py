@@ -101,6 +101,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     main(
         args[0] if args else str(default_target()),
-        args[1] if len(args) > 1 else str(default_drafter()),
+        (args[1] if len(args) > 1 else "") or str(default_drafter()),
         args[2] if len(args) > 2 else "cpu",
     )

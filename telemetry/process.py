@@ -52,7 +52,9 @@ class ExporterProcess:
     ) -> None:
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "telemetry.process", str(theirs.fileno())], pass_fds=[theirs.fileno()]
+            [sys.executable, "-m", "telemetry.process", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},  # this process's imports
         )
         theirs.close()
         self.conn = Connection(ours.detach())
