@@ -1,13 +1,15 @@
 """The sinks in a process of their own, so that the decode process keeps only what must be there.
 
-The decode process runs the collector (stage marks, the tree-size copy, resolving records) and sends each
-step's numbers over a pipe. The exporter process owns everything else: the OTel SDK and its export
-threads, the Prometheus endpoint, NVML sampling and the log stream. Spans, metric updates and JSON lines
-then cost the decode loop a pickle and a pipe write instead of work under its interpreter lock.
+The decode process runs the collector (stage marks, the tree-size copy, resolving records) and sends the
+steps' numbers over a socket pair, a group at a time. The exporter process owns everything else: the
+OTel SDK and its export threads, the Prometheus endpoint, NVML sampling and the log stream. Spans, metric
+updates and JSON lines then cost the decode loop a pickle and a write instead of work under its
+interpreter lock.
 
 It starts as `python -m telemetry.process FD` with one end of a socket pair; messages are pickled tuples:
 ("config", TelemetryConfig, device_type, model_name) first, then ("start", info, texts), ("steps", [step
-records]), ("end", results, texts), and ("close",), answered once every sink has what came before and has closed.
+records]), ("end", results, texts), and ("close",), answered once every sink has what came before and
+has closed.
 The child answers ("ready", prometheus_port) or ("error", message) to the config. Nothing else waits for
 an answer, so the sinks see a step shortly after it ends, not before `generate` returns.
 """
@@ -62,8 +64,12 @@ class ExporterProcess:
         self.behind = False
         self.steps: list[tuple[Any, ...]] = []
         self.sent_at = time.monotonic()
-        self._send(("config", config, device_type, model_name))
-        kind, value = self._answer(START_TIMEOUT_S)
+        try:
+            self._send(("config", config, device_type, model_name))
+            kind, value = self._answer(START_TIMEOUT_S)
+        except ExporterGone:
+            self.close()
+            raise TelemetryConfigError("the telemetry exporter process did not start (its error is above)") from None
         if kind == "error":
             self.close()
             raise TelemetryConfigError(value)
