@@ -60,7 +60,7 @@ class Collector:
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
-        self._each_sink("start_requests", info)
+        call_sinks(self.sinks, "start_requests", info)
 
     def on_step_start(self, step: int, batch_size: int) -> None:
         if len(self.pending) >= MAX_PENDING:
@@ -107,10 +107,11 @@ class Collector:
         self.boundary = None
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
-        # The engine has read the last step's tokens, so these events are complete: this never waits.
+        # The engine has read the last step's tokens: only the final mark, recorded after that read with the
+        # device idle, can still be pending, so this waits microseconds at most.
         self._drain(wait=True)
         assert self.info is not None
-        self._each_sink("end_requests", self.info, results)
+        call_sinks(self.sinks, "end_requests", self.info, results)
         self.info = None
 
     def _drain(self, wait: bool = False) -> None:
@@ -122,10 +123,7 @@ class Collector:
             self.clock.release(record.marks)
             if record.depth_counts is not None:
                 self.host_buffers[tuple(record.depth_counts.shape)].append(record.depth_counts)
-            self._each_sink("step", stats)
-
-    def _each_sink(self, method: str, *args: Any) -> None:
-        call_sinks(self.sinks, method, *args)
+            call_sinks(self.sinks, "step", stats)
 
     def _resolve(self, record: _Pending) -> StepStats:
         assert self.info is not None

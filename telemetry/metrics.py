@@ -33,7 +33,7 @@ COUNTERS = (
 
 class MetricsSink:
     """Counters are observable: a step adds to plain totals, and the SDK reads them when it collects (at a
-    scrape or an export), so the decode thread pays a few dict updates instead of an SDK call per label."""
+    scrape or an export), so a step costs a few dict updates instead of an SDK call per label."""
 
     def __init__(self, meter: Any) -> None:
         self.totals: dict[str, defaultdict[Labels, int]] = {name: defaultdict(int) for name, _ in COUNTERS}
@@ -60,7 +60,7 @@ class MetricsSink:
         totals = self.totals[name]
 
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            items = list(totals.items())  # one C-level copy: safe against the decode thread's updates
+            items = list(totals.items())  # one C-level copy: safe against the step updates on another thread
             return [Observation(value, dict(labels)) for labels, value in items]
 
         return observe
