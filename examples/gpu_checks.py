@@ -1,9 +1,10 @@
 """Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair, the decode loop with
 telemetry on under `torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
 
-    python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR] [DEVICE]
+    python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR [DEVICE [CHECKS]]]
 
-DEVICE defaults to cuda; `cpu` runs the same steps (without the sync check) as a smoke test.
+DEVICE defaults to cuda; `cpu` runs the same steps (without the sync check) as a smoke test. CHECKS is a
+comma-separated subset of lossless,sync,overhead (default: all three).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ TELEMETRY_ON = TelemetryConfig(
 )
 
 
-def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
+def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = "lossless,sync,overhead") -> None:
     count = 16 if device == "cuda" else 2
     for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
         target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device, dtype)
         prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
         eos = eos_ids(tokenizer, target)
+        if "lossless" not in checks:
+            continue
         engine = Engine(target, drafter)
         ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
         for method, budget in (("dflash", 1), ("ddtree", 32)):
@@ -44,7 +47,7 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
             print(f"lossless {dtype} {method} B={budget}: {same}/{len(prompts)} prompts identical to ar")
 
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
-    if device == "cuda":
+    if device == "cuda" and "sync" in checks:
         telemetry = start_telemetry(TELEMETRY_ON, device_type="cuda")
         engine = Engine(target, drafter, observer=telemetry.observer)
         engine.generate(prompts[:4], cfg)  # warm-up
@@ -58,7 +61,7 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
             torch.cuda.set_sync_debug_mode(0)
             telemetry.shutdown()
 
-    for batch in (1, count):
+    for batch in (1, count) if "overhead" in checks else ():
         pair = PairSpec(target_dir, drafter_dir, device, "bfloat16" if device == "cuda" else "float32")
         off, on = telemetry_overhead(pair, prompts, cfg, batch, 4, TELEMETRY_ON)
         print(
@@ -68,4 +71,4 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "") or str(default_drafter()), *sys.argv[3:4])
+    main(sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "") or str(default_drafter()), *sys.argv[3:5])

@@ -2,7 +2,8 @@
 
     python examples/telemetry_ablation.py TARGET_DIR [DRAFTER_DIR [DEVICE [BATCH [ROUNDS [PROMPTS [VARIANTS]]]]]]
 
-VARIANTS is a comma-separated list of the names below (default: all). Each variant is one
+VARIANTS is a comma-separated list of the names below (default: all but `off-control`, which runs both sides
+with telemetry off to show the noise floor). Each variant is one
 `ddtree.bench.telemetry_overhead` run: off and on in two processes, batches interleaved. PROMPTS is a count
 of held-out prompts, or `random:N` for N random token-id prompts (for a target without a chat template, such
 as `ddtree models init-tiny --hidden-size 64 --num-layers 30`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+from typing import Any
 
 from gpu_checks import TELEMETRY_ON
 
@@ -22,7 +24,8 @@ from ddtree.models.default import default_drafter
 from ddtree.runtime import eos_ids, load_pair
 from ddtree.train.data import chat_ids
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
+    "off-control": {"enabled": False},  # both sides off: the noise floor of the comparison
     "all-on": {},
     "no-traces": {"traces_exporter": "none"},
     "no-nvml": {"nvml_interval_ms": 0},
@@ -56,5 +59,5 @@ if __name__ == "__main__":
         int(a[3]) if len(a) > 3 else 16,
         int(a[4]) if len(a) > 4 else 3,
         a[5] if len(a) > 5 else "64",
-        a[6].split(",") if len(a) > 6 else list(VARIANTS),
+        a[6].split(",") if len(a) > 6 else [v for v in VARIANTS if v != "off-control"],
     )

@@ -1,14 +1,14 @@
 """The zero-sync collector: a `StepObserver` that turns hook calls into per-step statistics.
 
-Values already on the host (accepted counts, emitted counts) are used as they are. Device values (tree
-sizes per depth) are copied with `non_blocking=True` into pinned buffers behind a recorded event, and
+Values already on the host (accepted counts, emitted counts) are used as they are. Device values (the
+tree's node depths) are copied with `non_blocking=True` into pinned buffers behind a recorded event, and
 stage times are CUDA events; a step's record is resolved only once its last event has completed, at a
 later hook call. Nothing here calls `.item()`, `.tolist()`, `.cpu()` or a synchronize during a step.
 Resolved `StepStats` go to sinks (metrics, logs, traces), which never touch the device.
 
 Where the host time goes: the sinks run when the verify stage has been launched, so on a GPU that is busy
 verifying they overlap the verify forward instead of adding to the idle time between steps. Consecutive
-stages share their boundary mark, and events and pinned buffers are reused.
+stages share their boundary mark (5 marks a step), and events and pinned buffers are reused.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _Pending:
     wall_ns: int
     marks: list[Any]
     stages: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> mark indices
-    depth_counts: torch.Tensor | None = None  # [batch, nodes] host buffer, filled asynchronously
+    depths: torch.Tensor | None = None  # [batch, nodes] host copy of the tree's depths, filled asynchronously
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
 
@@ -86,13 +86,13 @@ class Collector:
             self._drain()  # earlier steps, while the device verifies this one
 
     def on_tree(self, tree: DraftTree) -> None:
+        """One copy and nothing else on the device: the root and padding have depth 0, so the host counts
+        the draft nodes per depth from the depths alone."""
         assert self.current is not None
-        counts = torch.zeros(tree.depths.shape, dtype=torch.int32, device=tree.depths.device)  # [batch, nodes]
-        counts.scatter_add_(1, tree.depths, tree.valid.to(torch.int32))
-        free = self.host_buffers.setdefault(tuple(counts.shape), [])
-        host = free.pop() if free else torch.empty(counts.shape, dtype=torch.int32, pin_memory=self.pinned)
-        host.copy_(counts, non_blocking=True)
-        self.current.depth_counts = host
+        free = self.host_buffers.setdefault(tuple(tree.depths.shape), [])
+        host = free.pop() if free else torch.empty(tree.depths.shape, dtype=tree.depths.dtype, pin_memory=self.pinned)
+        host.copy_(tree.depths, non_blocking=True)
+        self.current.depths = host
 
     def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
         assert self.current is not None
@@ -101,7 +101,8 @@ class Collector:
     def on_step_end(self, step: int, emitted: list[int]) -> None:
         assert self.current is not None
         self.current.emitted = emitted
-        self.current.marks.append(self.clock.mark())  # completes after the copies above
+        if self.boundary is None:  # the last stage is still open: the step ends now
+            self.current.marks.append(self.clock.mark())
         self.pending.append(self.current)
         self.current = None
         self.boundary = None
@@ -121,33 +122,22 @@ class Collector:
                 record.marks[-1].synchronize()
             stats = self._resolve(record)
             self.clock.release(record.marks)
-            if record.depth_counts is not None:
-                self.host_buffers[tuple(record.depth_counts.shape)].append(record.depth_counts)
+            if record.depths is not None:
+                self.host_buffers[tuple(record.depths.shape)].append(record.depths)
             call_sinks(self.sinks, "step", stats)
 
     def _resolve(self, record: _Pending) -> StepStats:
+        """Only what needs this process: event times and the host copy's rows. The counts derived from the
+        depths are computed by whoever reads them first (`StepStats`), normally the exporter process."""
         assert self.info is not None
         wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
         active = [e > 0 for e in record.emitted]
-        if record.depth_counts is not None:
-            rows = record.depth_counts.numpy()[active]  # [active requests, nodes]: node counts by depth
-            nodes: list[int] = rows[:, 1:].sum(axis=1).tolist()
-            per_depth: list[int] = [0, *rows[:, 1:].sum(axis=0).tolist()]
-        else:
-            nodes, per_depth = [0] * sum(active), [0]
-        accepted = [n for n, a in zip(record.accepted, active, strict=True) if a]
-        accepted_per_depth = [0] * len(per_depth)
-        for n in accepted:
-            for d in range(1, n + 1):
-                accepted_per_depth[d] += 1
         return StepStats(
             step=record.step,
             info=self.info,
             active=active,
-            tree_nodes=nodes,
-            nodes_per_depth=per_depth,
-            accepted=accepted,
-            accepted_per_depth=accepted_per_depth,
+            depths=None if record.depths is None else record.depths.numpy()[active],  # a copy: the buffer is reused
+            accepted=[n for n, a in zip(record.accepted, active, strict=True) if a],
             emitted=[e for e in record.emitted if e > 0],
             stage_ns={s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()},
             start_ns=wall[0],

@@ -81,8 +81,7 @@ class ExporterProcess:
 
     def step(self, stats: StepStats) -> None:
         s = stats
-        fields = (s.active, s.tree_nodes, s.nodes_per_depth, s.accepted, s.accepted_per_depth, s.emitted)
-        self.steps.append((s.step, *fields, s.stage_ns, s.start_ns, s.end_ns))
+        self.steps.append((s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns, s.end_ns))
         if len(self.steps) >= SEND_EVERY_STEPS or time.monotonic() - self.sent_at >= SEND_EVERY_S:
             self._send_steps()
 

@@ -1,13 +1,19 @@
 """What the collector hands its sinks: one `StepStats` per decode step, and the sink protocol.
 
-Free of torch, so that the exporter process (`telemetry.process`) can import it cheaply.
+Free of torch, so that the exporter process (`telemetry.process`) can import it cheaply. A step carries the
+tree's raw node depths; the counts derived from them are computed on first use, so in a deployment that work
+happens in the exporter process, not in the decode loop.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from telemetry.hooks import GenerateInfo, RequestResult
 
@@ -17,14 +23,36 @@ class StepStats:
     step: int
     info: GenerateInfo
     active: list[bool]  # per request: still decoding during this step
-    tree_nodes: list[int]  # per active request
-    nodes_per_depth: list[int]  # index d: nodes at depth d over active requests (index 0 unused)
+    depths: npt.NDArray[np.int64] | None  # [active requests, 1+budget]: each tree slot's depth, 0 = root or padding
     accepted: list[int]  # per active request: accepted drafts
-    accepted_per_depth: list[int]
     emitted: list[int]  # per active request
     stage_ns: dict[str, tuple[int, int]]  # stage -> (start, end), wall-clock ns
     start_ns: int
     end_ns: int
+
+    @cached_property
+    def tree_nodes(self) -> list[int]:
+        """Draft nodes per active request."""
+        if self.depths is None:
+            return [0] * len(self.accepted)
+        return [int(n) for n in (self.depths > 0).sum(axis=1)]
+
+    @cached_property
+    def nodes_per_depth(self) -> list[int]:
+        """Index d: draft nodes at depth d over the active requests (index 0 unused, always 0)."""
+        if self.depths is None:
+            return [0]
+        counts = np.bincount(self.depths.ravel(), minlength=self.depths.shape[1])
+        return [0, *(int(n) for n in counts[1:])]
+
+    @cached_property
+    def accepted_per_depth(self) -> list[int]:
+        """Index d: active requests that accepted a draft at depth d (same length as `nodes_per_depth`)."""
+        counts = [0] * len(self.nodes_per_depth)
+        for n in self.accepted:
+            for d in range(1, n + 1):
+                counts[d] += 1
+        return counts
 
     @property
     def request_ids(self) -> list[str]:

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from ddtree.tree import build_tree
+from telemetry.hooks import GenerateInfo
+from telemetry.stats import StepStats
+
+INFO = GenerateInfo("ddtree", 10, 2, 0.0, 8, 0, ["a", "b", "c"], [[1], [2], [3]])
+
+
+def _stats(depths: torch.Tensor | None, accepted: list[int]) -> StepStats:
+    n = len(accepted)
+    rows = None if depths is None else depths.numpy()
+    return StepStats(0, INFO, [True] * n, rows, accepted, [a + 1 for a in accepted], {}, 0, 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_counts_from_depths_match_a_walk_over_the_tree(seed: int) -> None:
+    torch.manual_seed(seed)
+    # vocab 3, top-2, depth 3: at most 2 + 4 + 8 = 14 prefixes, so budget 10 fills some trees and pads others
+    logits = torch.randn(3, 3, 3) * torch.tensor([0.1, 3.0, 10.0])[:, None, None]
+    tree = build_tree(logits, budget=10, topk=2)
+    accepted = [0, 2, 3]
+    stats = _stats(tree.depths, accepted)
+
+    nodes = [int(n) for n in tree.num_nodes]
+    per_depth = [0] * tree.width
+    for b, count in enumerate(nodes):
+        for slot in range(1, count + 1):
+            per_depth[int(tree.depths[b, slot])] += 1
+    assert stats.tree_nodes == nodes
+    assert stats.nodes_per_depth == per_depth
+    assert stats.accepted_per_depth == [0, 2, 2, 1] + [0] * (tree.width - 4)
+    assert stats.tree_depth == max(d for d, n in enumerate(per_depth) if n)
+
+
+def test_a_step_without_a_tree_counts_nothing() -> None:
+    stats = _stats(None, [0, 0])
+    assert stats.tree_nodes == [0, 0]
+    assert stats.nodes_per_depth == [0]
+    assert stats.accepted_per_depth == [0]
+    assert stats.tree_depth == 0
+
+
+def test_the_fields_sent_to_the_exporter_rebuild_the_same_counts() -> None:
+    tree = build_tree(torch.randn(3, 4, 5), budget=6)
+    stats = _stats(tree.depths, [1, 0, 4])
+    sent = pickle.loads(pickle.dumps((stats.active, stats.depths, stats.accepted, stats.emitted)))
+    rebuilt = StepStats(0, INFO, *sent, {}, 0, 1)
+    assert rebuilt.nodes_per_depth == stats.nodes_per_depth
+    assert rebuilt.tree_nodes == stats.tree_nodes == [6, 6, 6]
