@@ -150,36 +150,35 @@ def telemetry_overhead(
 ) -> tuple[float, float]:
     """Tokens per second with telemetry off and on, interleaved (`overhead_schedule`) over `rounds`.
 
-    Off and on run in two processes of their own, one at a time: telemetry's threads (exporters, NVML)
-    live only in the process that has telemetry on, as they would in a deployment, so they cannot slow the
-    off side. Each process loads the pair and warms up on the first batch before any timing."""
+    One worker process loads the pair once and holds two engines on it, one without an observer and one
+    with telemetry's collector; the exporters, NVML and the log stream run in telemetry's exporter process,
+    as in a deployment, so nothing of telemetry's runs inside the worker while the off engine decodes. One
+    process, not one per side: two processes with telemetry off in both differed by up to 16% on a GPU
+    host (their CUDA contexts, allocators and cores differ), far more than the cost being measured. Every
+    batch runs once on both engines before any timing."""
     import multiprocessing
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     context = multiprocessing.get_context("spawn")
-    workers: dict[bool, Any] = {}
     totals = {False: [0, 0.0], True: [0, 0.0]}
+    ours, theirs = context.Pipe()
+    process = context.Process(
+        target=_overhead_worker, args=(theirs, pair, telemetry_config, batches, config), daemon=True
+    )
+    process.start()
     try:
-        for on in (False, True):
-            ours, theirs = context.Pipe()
-            args = (theirs, pair, telemetry_config if on else None, batches, config)
-            process = context.Process(target=_overhead_worker, args=args, daemon=True)
-            process.start()
-            workers[on] = (process, ours)
-        for on in (False, True):
-            _reply(workers[on][1])  # loaded and warmed up
+        _reply(ours)  # loaded and warmed up
         for index, on in overhead_schedule(len(batches), rounds):
-            workers[on][1].send(index)
-            tokens, seconds = _reply(workers[on][1])
+            ours.send((index, on))
+            tokens, seconds = _reply(ours)
             totals[on][0] += tokens
             totals[on][1] += seconds
     finally:
-        for process, conn in workers.values():
-            with contextlib.suppress(OSError):
-                conn.send(None)
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        with contextlib.suppress(OSError):
+            ours.send(None)
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
     return totals[False][0] / totals[False][1], totals[True][0] / totals[True][1]
 
 
@@ -196,22 +195,22 @@ def _reply(conn: Any) -> Any:
 def _overhead_worker(
     conn: Any, pair: PairSpec, telemetry_config: Any, batches: list[list[list[int]]], config: GenerationConfig
 ) -> None:
-    """One side of `telemetry_overhead`: load, warm up, then run the batches it is sent until None."""
+    """The process of `telemetry_overhead`: load, warm up, then run the (batch, on) pairs it is sent until None."""
     from ddtree.runtime import load_pair
+    from telemetry import start_telemetry
 
     telemetry = None
     try:
         target, drafter, _ = load_pair(pair.model, pair.drafter, pair.device, pair.dtype)
-        engine = Engine(target, drafter)
-        if telemetry_config is not None:
-            from telemetry import start_telemetry
-
-            telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
-            engine = Engine(target, drafter, observer=telemetry.observer)
-        engine.generate(batches[0], config)
+        telemetry = start_telemetry(telemetry_config, device_type=target.device.type)
+        engines = {False: Engine(target, drafter), True: Engine(target, drafter, observer=telemetry.observer)}
+        for batch in batches:
+            engines[False].generate(batch, config)
+        engines[True].generate(batches[0], config)
         conn.send(("ready", None))
-        while (index := conn.recv()) is not None:
-            result = _run_batches(engine, batches[index], config, len(batches[index]))[0]
+        while (message := conn.recv()) is not None:
+            index, on = message
+            result = _run_batches(engines[on], batches[index], config, len(batches[index]))[0]
             conn.send(("ok", (result.new_tokens, result.seconds)))
     except Exception as exc:  # reported to the parent, which exits with a clear message
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -4,7 +4,7 @@
 
 VARIANTS is a comma-separated list of the names below (default: all but `off-control`, which runs both sides
 with telemetry off to show the noise floor). Each variant is one
-`ddtree.bench.telemetry_overhead` run: off and on in two processes, batches interleaved. PROMPTS is a count
+`ddtree.bench.telemetry_overhead` run: off and on engines in one process, batches interleaved. PROMPTS is a count
 of held-out prompts, or `random:N` for N random token-id prompts (for a target without a chat template, such
 as `ddtree models init-tiny --hidden-size 64 --num-layers 30`).
 """

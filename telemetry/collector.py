@@ -65,6 +65,7 @@ class Collector:
     def on_step_start(self, step: int, batch_size: int) -> None:
         if len(self.pending) >= MAX_PENDING:
             self._drain()
+        self.clock.begin_step()
         self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()])
         self.boundary = 0
 

@@ -9,6 +9,9 @@ from typing import Any, Protocol
 
 
 class StageClock(Protocol):
+    def begin_step(self) -> None:
+        """A step starts: its marks go to the stream that is current now."""
+
     def mark(self) -> Any:
         """Record now (on the device's stream for CUDA)."""
 
@@ -23,6 +26,9 @@ class StageClock(Protocol):
 
 
 class CpuClock:
+    def begin_step(self) -> None:
+        pass
+
     def mark(self) -> int:
         return time.perf_counter_ns()
 
@@ -37,17 +43,23 @@ class CpuClock:
 
 
 class CudaClock:
-    """Events are pooled: creating and destroying a CUDA event per mark costs more than recording one."""
+    """Events are pooled: creating and destroying a CUDA event per mark costs more than recording one. The
+    stream is looked up once a step (a lookup builds a Python stream object, which costs as much as a mark)."""
 
     def __init__(self) -> None:
         import torch
 
         self._event = torch.cuda.Event
+        self._current_stream = torch.cuda.current_stream
+        self._stream: Any = None
         self._free: list[Any] = []
+
+    def begin_step(self) -> None:
+        self._stream = self._current_stream()
 
     def mark(self) -> Any:
         event: Any = self._free.pop() if self._free else self._event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record()
+        event.record(self._stream)
         return event
 
     def ready(self, marks: list[Any]) -> bool:

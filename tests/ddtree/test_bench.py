@@ -44,8 +44,8 @@ def test_overhead_schedule_alternates() -> None:
     assert {(a[0], a[1]) for a, _ in pairs} == {(b, on) for b in range(3) for on in (False, True)}
 
 
-def test_telemetry_overhead_runs_telemetry_only_in_the_on_process(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    """Off and on are separate processes: only the on side observes, and it observes every batch it runs."""
+def test_telemetry_overhead_observes_only_the_on_side(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Only the on engine observes, and it observes every batch it runs (the off warm-up pass is not seen)."""
     from ddtree.bench import PairSpec, telemetry_overhead
     from ddtree.engine.decode import GenerationConfig
     from telemetry.config import TelemetryConfig
