@@ -34,8 +34,8 @@ from telemetry.stats import StepStats, call_sinks
 
 START_TIMEOUT_S = 60.0  # importing the SDK on a cold disk
 CLOSE_TIMEOUT_S = 2.5  # the exporter flushes what it has and stops; `Telemetry.shutdown` bounds the whole
-SEND_EVERY_STEPS = 16  # steps are sent in groups: at most this many, or this old
-SEND_EVERY_S = 0.1
+SEND_EVERY_STEPS = 32  # steps are sent in groups: at most this many, or this old
+SEND_EVERY_S = 0.5
 
 
 class ExporterGone(RuntimeError):
