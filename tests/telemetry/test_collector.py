@@ -157,3 +157,44 @@ def test_steps_the_sampler_leaves_out_get_no_stage_spans() -> None:
     assert names == {sc.SPAN_REQUEST}
     steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
     assert len(steps) == result.steps > 0
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def start_requests(self, info: Any) -> None:
+        pass
+
+    def step(self, stats: Any) -> None:
+        self.steps.append(stats.step)
+
+    def end_requests(self, info: Any, results: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("with_verify", [True, False])
+def test_records_reach_the_sinks_in_groups_and_all_by_the_end(with_verify: bool) -> None:
+    """Records are handed on a group at a time while decoding (after a verify stage, or when too many wait
+    without one), in step order, and every one by the end of `generate`."""
+    from telemetry.collector import DRAIN_EVERY, MAX_PENDING, Collector
+    from telemetry.hooks import GenerateInfo
+
+    sink = _Steps()
+    collector = Collector([sink])
+    collector.on_generate_start(GenerateInfo("ddtree", 4, None, 0.0, 8, 0, ["r"], [[1]]))
+    stages = [sc.STAGE_DRAFT, sc.STAGE_VERIFY] if with_verify else [sc.STAGE_DRAFT]
+    group = DRAIN_EVERY if with_verify else MAX_PENDING
+    seen = []
+    for step in range(2 * group + 3):
+        collector.on_step_start(step, 1)
+        for stage in stages:
+            collector.on_stage_start(stage)
+            collector.on_stage_end(stage)
+        collector.on_accept(None, [1])  # type: ignore[arg-type]
+        collector.on_step_end(step, [2])
+        seen.append(len(sink.steps))
+    assert max(seen) >= group, "records waited for the end of generate"
+    assert all(n == 0 or n >= group - 1 for n in seen), "records were handed on one at a time"
+    collector.on_generate_end([])
+    assert sink.steps == list(range(2 * group + 3))
