@@ -7,9 +7,9 @@ later hook call. Nothing here calls `.item()`, `.tolist()`, `.cpu()` or a synchr
 Resolved `StepStats` go to sinks (metrics, logs, traces), which never touch the device.
 
 Where the host time goes: records are resolved and handed to the sinks eight at a time, once a verify
-stage has been launched, so on a GPU that is busy verifying that work overlaps the verify forward instead of
-adding to the idle time between steps. Consecutive
-stages share their boundary mark (5 marks a step), and events and pinned buffers are reused.
+stage has been launched, so on a GPU that is busy verifying that work overlaps the verify forward instead
+of adding to the idle time between steps. Consecutive stages share their boundary mark (5 marks a step),
+and events and pinned buffers are reused.
 """
 
 from __future__ import annotations
