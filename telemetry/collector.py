@@ -135,15 +135,13 @@ class Collector:
         assert self.info is not None
         wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
         active = [e > 0 for e in record.emitted]
-        depths = None if record.depths is None else record.depths.numpy()
-        everyone = all(active)
         return StepStats(
             step=record.step,
             info=self.info,
             active=active,
-            depths=None if depths is None else depths.copy() if everyone else depths[active],  # the buffer is reused
-            accepted=record.accepted if everyone else [n for n, a in zip(record.accepted, active, strict=True) if a],
-            emitted=record.emitted if everyone else [e for e in record.emitted if e > 0],
+            depths=None if record.depths is None else record.depths.numpy()[active],  # a copy: the buffer is reused
+            accepted=[n for n, a in zip(record.accepted, active, strict=True) if a],
+            emitted=[e for e in record.emitted if e > 0],
             stage_ns={s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()},
             start_ns=wall[0],
             end_ns=wall[-1],
