@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,17 @@ import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig, GenerationResult
 from ddtree.errors import UserError
+from ddtree.methods import get_method, mean_acceptance_length, method_label
 from ddtree.models.target import Target
-from ddtree.train.data import chat_ids
+
+HF_BASELINE = "hf"  # `--baseline hf`: HF transformers `generate`, greedy, static cache
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    method: str
+    method: str  # a method of `ddtree.methods`, or HF_BASELINE
     budget: int | None
-    tau: float
+    tau: float | None  # None for the HF baseline, which does not draft
     steps: int
     new_tokens: int
     seconds: float
@@ -36,8 +39,14 @@ class BenchRow:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
+    def ms_per_step(self) -> float:
+        return self.seconds * 1000 / self.steps if self.steps else 0.0
+
+    @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method} B={self.budget}"
+        if self.method == HF_BASELINE:
+            return "hf generate"
+        return method_label(self.method, self.budget)
 
 
 def heldout_prompts(path: str | None = None) -> list[str]:
@@ -50,32 +59,75 @@ def heldout_prompts(path: str | None = None) -> list[str]:
 
 
 def run_bench(
-    target: Target,
-    drafter: Any,
-    tokenizer: Any,
-    prompts: list[str],
+    engine: Engine,
+    encoded: list[list[int]],
     budgets: list[int],
     max_new_tokens: int,
     batch_size: int,
     methods: list[str],
     eos: tuple[int, ...],
 ) -> list[BenchRow]:
-    engine = Engine(target, drafter)
-    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    """One row per method (per budget for methods tuned by it), all on the same prompts and engine."""
     runs: list[tuple[str, int | None]] = []
     for method in methods:
-        runs += [(method, b) for b in budgets] if method == "ddtree" else [(method, None)]
-    warm = GenerationConfig(method=methods[-1], budget=budgets[0], max_new_tokens=4, eos_token_ids=eos)
-    engine.generate(encoded[:batch_size], warm)  # first-call costs stay out of the timings
+        runs += [(method, b) for b in budgets] if get_method(method).tuned_by_budget else [(method, None)]
     rows = []
     for method, budget in runs:
         config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+        warm = replace(config, max_new_tokens=min(8, max_new_tokens))
+        engine.generate(encoded[:batch_size], warm)  # first-call costs (and graph capture) stay out of the timings
         results = _run_batches(engine, encoded, config, batch_size)
         lengths = [a for r in results for o in r.outputs for a in o.acceptance_lengths]
-        tau = sum(lengths) / len(lengths) if lengths else 0.0
         steps, new_tokens = sum(r.steps for r in results), sum(r.new_tokens for r in results)
-        rows.append(BenchRow(method, budget, tau, steps, new_tokens, sum(r.seconds for r in results)))
+        seconds = sum(r.seconds for r in results)
+        rows.append(BenchRow(method, budget, mean_acceptance_length(lengths), steps, new_tokens, seconds))
     return rows
+
+
+def hf_generate_row(
+    target: Target, encoded: list[list[int]], max_new_tokens: int, batch_size: int, eos: tuple[int, ...]
+) -> BenchRow:
+    """HF transformers `generate` on the same prompts: greedy, static cache (which it compiles on CUDA),
+    prompts left-padded per batch. New tokens count up to and including the first end-of-sequence token."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    model: Any = target.model
+    pad = eos[0] if eos else 0
+    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+    _hf_batch(model, batches[0], max_new_tokens, eos, pad)  # compile and warm up
+    new_tokens, steps, seconds = 0, 0, 0.0
+    for batch in batches:
+        _sync(target.device)
+        started = time.perf_counter()
+        counts = _hf_batch(model, batch, max_new_tokens, eos, pad)
+        _sync(target.device)
+        seconds += time.perf_counter() - started
+        new_tokens += sum(counts)
+        steps += max(counts)
+    return BenchRow(HF_BASELINE, None, None, steps, new_tokens, seconds)
+
+
+def _hf_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], pad: int) -> list[int]:
+    """Run one left-padded batch through `model.generate`; return the new tokens of each row."""
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        cache_implementation="static",
+        eos_token_id=list(eos) or None,
+        pad_token_id=pad,
+    )
+    counts = []
+    for row in out[:, width:].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        counts.append(stop)
+    return counts
 
 
 def _run_batches(
@@ -96,11 +148,17 @@ def _sync(device: torch.device) -> None:
 
 
 def format_rows(rows: list[BenchRow]) -> str:
-    base = next((r.tokens_per_second for r in rows if r.method == "ar"), None)
-    lines = [f"{'method':<14}{'tau':>7}{'steps':>8}{'tokens':>8}{'tok/s':>10}{'vs ar':>8}"]
+    """The bench table: tau, steps, tokens, tokens/s, ms per step, and ratios to HF generate and to `ar`."""
+    bases = {m: next((r.tokens_per_second for r in rows if r.method == m), None) for m in (HF_BASELINE, "ar")}
+    head = f"{'method':<16}{'tau':>6}{'steps':>8}{'tokens':>8}{'tok/s':>10}{'ms/step':>9}{'vs hf':>8}{'vs ar':>8}"
+    lines = [head]
     for r in rows:
-        ratio = f"{r.tokens_per_second / base:.2f}x" if base else "-"
-        lines.append(f"{r.label:<14}{r.tau:>7.2f}{r.steps:>8}{r.new_tokens:>8}{r.tokens_per_second:>10.1f}{ratio:>8}")
+        ratios = [f"{r.tokens_per_second / b:.2f}x" if b else "-" for b in bases.values()]
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        lines.append(
+            f"{r.label:<16}{tau:>6}{r.steps:>8}{r.new_tokens:>8}{r.tokens_per_second:>10.1f}{r.ms_per_step:>9.2f}"
+            + "".join(f"{x:>8}" for x in ratios)
+        )
     return "\n".join(lines)
 
 
@@ -109,11 +167,12 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
         {
             "method": r.method,
             "budget": r.budget,
-            "tau": round(r.tau, 4),
+            "tau": None if r.tau is None else round(r.tau, 4),
             "steps": r.steps,
             "new_tokens": r.new_tokens,
             "seconds": round(r.seconds, 4),
             "tokens_per_second": round(r.tokens_per_second, 2),
+            "ms_per_step": round(r.ms_per_step, 3),
         }
         for r in rows
     ]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.errors import UserError
+from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
 
 EXIT_USAGE = 2
@@ -51,9 +52,13 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _device_args(parser: argparse.ArgumentParser) -> None:
+def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
+    if graphs:
+        parser.add_argument(
+            "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="replay decode steps (auto: on CUDA)"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,13 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with ar, dflash or ddtree decoding")
     gen.add_argument("--model", help="target model directory (HF layout); default: the default pair")
     gen.add_argument("--drafter", help="DFlash drafter directory (needed by dflash and ddtree)")
-    gen.add_argument("--method", choices=("ar", "dflash", "ddtree"), default="ddtree")
+    gen.add_argument("--method", choices=METHOD_NAMES, default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="draft tree nodes per step (ddtree)")
     gen.add_argument("--topk", type=int, default=None, help="candidates per depth (default min(budget, vocab))")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    _device_args(gen)
+    _device_args(gen, graphs=True)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     prompt.add_argument("--prompt-ids", action="append", help="comma-separated token ids; repeat for a batch")
@@ -86,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    _device_args(bench)
+    bench.add_argument("--baseline", choices=("hf",), action="append", default=[], help="add HF generate's row")
+    _device_args(bench, graphs=True)
     bench.add_argument("--json", dest="json_out", help="also write the rows to this JSON file")
     bench.add_argument(
         "--telemetry-overhead",
@@ -162,6 +168,7 @@ def _drafter_shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from ddtree.engine.decode import GenerationConfig
+    from ddtree.methods import mean_acceptance_length
     from ddtree.runtime import GenerateRequest, run_generate
 
     generation = GenerationConfig(
@@ -178,6 +185,7 @@ def _generate(args: argparse.Namespace) -> int:
         generation=generation,
         device=args.device,
         dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat or (args.model is None and args.prompt is not None),
@@ -187,10 +195,10 @@ def _generate(args: argparse.Namespace) -> int:
             print(json.dumps(record), flush=True)
         else:
             print(record["text"], flush=True)
-            lengths = record["acceptance_lengths"]
-            tau = sum(lengths) / len(lengths) if lengths else 0.0
+            tau = mean_acceptance_length(record["acceptance_lengths"])
+            shown = f"{tau:.2f}" if tau is not None else "-"
             print(
-                f"[{record['steps']} steps, tau {tau:.2f}, {record['tokens_per_second']:.1f} tokens/s]", file=sys.stderr
+                f"[{record['steps']} steps, tau {shown}, {record['tokens_per_second']:.1f} tokens/s]", file=sys.stderr
             )
     return 0
 
@@ -203,13 +211,15 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree.bench import format_rows, heldout_prompts, rows_json, run_bench
+    from ddtree.bench import format_rows, heldout_prompts, hf_generate_row, rows_json, run_bench
+    from ddtree.engine.decode import Engine
     from ddtree.runtime import eos_ids, load_pair, resolve_paths
+    from ddtree.train.data import chat_ids
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
+    bad = [m for m in methods if m not in METHOD_NAMES]
     if bad or not methods:
-        raise UserError(f"--methods takes ar, dflash and ddtree, got {args.methods!r}")
+        raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
     prompts = heldout_prompts(args.prompts)[: args.limit]
@@ -219,24 +229,27 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError("bench needs a model with a tokenizer")
     if args.telemetry_overhead:
         return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
-    rows = run_bench(
-        target,
-        drafter,
-        tokenizer,
-        prompts,
-        args.budgets,
-        args.max_new_tokens,
-        args.batch_size,
-        methods,
-        eos_ids(tokenizer, target),
-    )
+    eos = eos_ids(tokenizer, target)
+    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    engine = Engine(target, drafter, cuda_graphs=_graphs_mode(args.cuda_graphs, target))
+    rows = [hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos)] if args.baseline else []
+    rows += run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
+    graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
     print(
-        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, device {target.device}"
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, "
+        f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}"
     )
     print(format_rows(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
     return 0
+
+
+def _graphs_mode(mode: str, target: Any) -> str:
+    """The engine's CUDA-graph mode, with the CLI's wording for the one bad combination."""
+    if mode == "on" and target.device.type != "cuda":
+        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
+    return str(mode)
 
 
 def _overhead(
@@ -250,6 +263,7 @@ def _overhead(
     """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs."""
     from ddtree.bench import PairSpec, telemetry_overhead
     from ddtree.engine.decode import GenerationConfig
+    from ddtree.methods import method_label
     from ddtree.runtime import eos_ids
     from ddtree.train.data import chat_ids
     from telemetry.config import TelemetryConfig
@@ -273,7 +287,7 @@ def _overhead(
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     pair = PairSpec(paths[0], paths[1], args.device, args.dtype)
     off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds, on)
-    label = method if method != "ddtree" else f"ddtree B={args.budgets[0]}"
+    label = method_label(method, args.budgets[0])
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0
 

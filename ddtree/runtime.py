@@ -10,6 +10,7 @@ import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.errors import UserError
+from ddtree.methods import get_method
 from ddtree.models.default import default_drafter, default_target
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.target import Target, load_target, read_target_config
@@ -26,6 +27,7 @@ class GenerateRequest:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     device: str = "auto"
     dtype: str = "auto"
+    cuda_graphs: str = "auto"
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
@@ -69,9 +71,9 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
 def resolve_paths(model: str | None, drafter: str | None, method: str) -> tuple[str, str | None]:
     """Fill in the default pair where no model is given; check that drafting methods have a drafter."""
     if model is None:
-        drafter_dir = drafter or (str(default_drafter()) if method != "ar" else None)
+        drafter_dir = drafter or (str(default_drafter()) if get_method(method).needs_drafter else None)
         return str(default_target()), drafter_dir
-    if method != "ar" and drafter is None:
+    if get_method(method).needs_drafter and drafter is None:
         raise UserError(f"--method {method} needs --drafter DIR")
     return model, drafter
 
@@ -136,7 +138,7 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     model, drafter_dir = resolve_paths(request.model, request.drafter, method)
     check_request(request, int(read_target_config(model).vocab_size))
     target, drafter, tokenizer = load_pair(
-        model, drafter_dir if method != "ar" else None, request.device, request.dtype
+        model, drafter_dir if get_method(method).needs_drafter else None, request.device, request.dtype
     )
     prompts = encode_prompts(request, tokenizer)
     config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
@@ -146,7 +148,10 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
         detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
     )
     try:
-        result = Engine(target, drafter, observer=telemetry.observer).generate(prompts, config)
+        if request.cuda_graphs == "on" and target.device.type != "cuda":
+            raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
+        engine = Engine(target, drafter, observer=telemetry.observer, cuda_graphs=request.cuda_graphs)
+        result = engine.generate(prompts, config)
     finally:
         telemetry.shutdown()
     for out in result.outputs:

@@ -39,13 +39,18 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
         eos = eos_ids(tokenizer, target)
         if "lossless" not in checks:
             break
-        engine = Engine(target, drafter)
-        ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
-        for method, budget in (("dflash", 1), ("ddtree", 32)):
+        eager = Engine(target, drafter, cuda_graphs="off")
+        engine = Engine(target, drafter)  # CUDA graphs on a GPU
+        ar_cfg = GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)
+        ar = eager.generate(prompts, ar_cfg).outputs
+        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 32)):
             cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
-            out = engine.generate(prompts, cfg).outputs
-            same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
-            print(f"lossless {dtype} {method} B={budget}: {same}/{len(prompts)} prompts identical to ar")
+            for name, runner in (("eager", eager), ("graphed", engine)) if method != "ar" else (("graphed", engine),):
+                out = runner.generate(prompts, cfg).outputs
+                same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
+                print(
+                    f"lossless {dtype} {name} {method} B={budget}: {same}/{len(prompts)} prompts identical to eager ar"
+                )
 
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
     if device == "cuda" and "sync" in checks:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree.methods import method_label
 from telemetry import semconv as sc
 
 
@@ -31,9 +32,7 @@ class ConfigStats:
 
     @property
     def label(self) -> str:
-        if self.method == "ddtree":
-            return f"ddtree B={self.budget}" + (f" k={self.topk}" if self.topk else "")
-        return self.method
+        return method_label(self.method, self.budget, self.topk)
 
     @property
     def tau(self) -> float:

@@ -10,6 +10,7 @@ from typing import IO, Any, TextIO, cast
 
 import structlog
 
+from ddtree.methods import mean_acceptance_length
 from telemetry import semconv as sc
 from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.hooks import GenerateInfo, RequestResult
@@ -83,10 +84,14 @@ class LogSink:
                 sc.FIELD_PROMPT_TOKENS: len(prompt),
                 sc.FIELD_OUTPUT_TOKENS: len(result.output_tokens),
                 sc.FIELD_STEPS: len(lengths),
-                sc.FIELD_MEAN_ACCEPTANCE: round(sum(lengths) / len(lengths), 4) if lengths else None,
+                sc.FIELD_MEAN_ACCEPTANCE: _rounded(mean_acceptance_length(lengths)),
                 sc.FIELD_FINISH_REASON: result.finish_reason,
             }
             if self.log_content:
                 fields[sc.FIELD_PROMPT_TOKEN_IDS] = prompt
                 fields[sc.FIELD_OUTPUT_TOKEN_IDS] = result.output_tokens
             self.log.info(sc.EVENT_REQUEST, **fields)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

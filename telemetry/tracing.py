@@ -12,6 +12,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, format_trace_id
 
+from ddtree.methods import mean_acceptance_length
 from telemetry import semconv as sc
 from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.stats import StepStats
@@ -63,7 +64,7 @@ class TraceSink:
                 sc.ATTR_TREE_NODES: sum(stats.tree_nodes),
                 sc.ATTR_TREE_DEPTH: stats.tree_depth,
                 sc.ATTR_ACCEPTED_TOKENS: sum(stats.accepted),
-                sc.ATTR_MEAN_ACCEPTANCE: sum(lengths) / len(lengths) if lengths else 0.0,
+                sc.ATTR_MEAN_ACCEPTANCE: mean_acceptance_length(lengths) or 0.0,
             },
         )
         if step_span.is_recording():  # a step the sampler left out costs no stage spans either

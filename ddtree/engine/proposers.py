@@ -1,8 +1,10 @@
-"""What each method drafts. The decode loop only sees the `Proposer` protocol.
+"""What each method drafts. The decode session only sees the `Proposer` protocol.
 
 - `ar`: no drafts; the tree is the root alone.
 - `dflash`: the drafter's top-1 token at each depth, a chain (a tree with budget=depth, topk=1).
 - `ddtree`: the `budget` most probable prefixes of the drafter's block.
+
+Proposers hold no per-request state: the session owns the drafter's cache and passes it in.
 """
 
 from __future__ import annotations
@@ -11,22 +13,25 @@ from typing import Protocol
 
 import torch
 
-from ddtree.engine.kv_cache import KVCache
+from ddtree.kv_cache import KVCache
+from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.tree import DraftTree, build_tree, root_only_tree
 
-METHODS = ("ar", "dflash", "ddtree")
-
 
 class Proposer(Protocol):
     width: int  # tree slots per request, root included
+    block: int  # positions one draft writes past the committed prefix (1 without a drafter)
 
-    def start(self, batch: int, capacity: int) -> None:
-        """Allocate per-generation state."""
+    def new_cache(self, slots: int, capacity: int) -> KVCache | None:
+        """The drafter's cache for `slots` requests, or None."""
+
+    def append_context(self, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None) -> None:
+        """Commit the first `counts[b]` rows of `context` `[batch, n, features]` to the drafter's cache."""
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
     ) -> torch.Tensor | None:
         """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`)."""
 
@@ -38,15 +43,19 @@ class NoDraft:
     """Plain autoregressive decoding."""
 
     width = 1
+    block = 1
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def start(self, batch: int, capacity: int) -> None:
+    def new_cache(self, slots: int, capacity: int) -> KVCache | None:
+        return None
+
+    def append_context(self, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None) -> None:
         pass
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
     ) -> torch.Tensor | None:
         return None
 
@@ -63,18 +72,22 @@ class DrafterProposer:
         self.budget = budget
         self.topk = topk
         self.width = 1 + budget
-        self.cache: KVCache | None = None
+        self.block = drafter.block_size
 
-    def start(self, batch: int, capacity: int) -> None:
-        self.cache = self.drafter.new_cache(batch, capacity, self.target.dtype, self.target.device)
+    def new_cache(self, slots: int, capacity: int) -> KVCache | None:
+        return self.drafter.new_cache(slots, capacity, self.target.dtype, self.target.device)
+
+    def append_context(self, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None) -> None:
+        assert context is not None and cache is not None, "the target must emit features for the drafter"
+        self.drafter.append_context(context, counts, cache)
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, key_span: int
+        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
     ) -> torch.Tensor | None:
-        assert self.cache is not None and context is not None, "start() first; the target must emit features"
+        assert cache is not None and context is not None, "the target must emit features for the drafter"
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root
-        hidden = self.drafter(self.target.embed(block), context, counts, self.cache, key_span)
+        hidden = self.drafter(self.target.embed(block), context, counts, cache, span)
         return self.target.head(hidden[:, 1:])  # [batch, depth, vocab]
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
@@ -85,12 +98,10 @@ class DrafterProposer:
 def make_proposer(
     method: str, target: Target, drafter: DFlashDrafter | None, budget: int, topk: int | None
 ) -> Proposer:
-    if method == "ar":
+    facts = get_method(method)
+    if not facts.needs_drafter:
         return NoDraft(target.device)
     if drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
-    if method == "dflash":
-        return DrafterProposer(drafter, target, budget=drafter.depth, topk=1)
-    if method == "ddtree":
-        return DrafterProposer(drafter, target, budget=budget, topk=topk)
-    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    tree_budget, tree_topk = facts.tree_shape(budget, topk, drafter.depth)
+    return DrafterProposer(drafter, target, budget=tree_budget, topk=tree_topk)

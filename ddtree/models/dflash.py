@@ -27,8 +27,8 @@ from transformers import Qwen3Config
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ddtree.engine.kv_cache import KVCache
 from ddtree.errors import UserError
+from ddtree.kv_cache import KVCache
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -107,6 +107,21 @@ class DFlashDrafter(nn.Module):
         c = self.config
         return KVCache(len(self.layers), batch, c.num_key_value_heads, c.head_dim, capacity, dtype, device)
 
+    def append_context(self, context: torch.Tensor, counts: torch.Tensor, cache: KVCache) -> None:
+        """Write the keys and values of new target features into every layer's cache and commit them.
+
+        `context` `[batch, n, features]` sits at slots `cache.lengths + 0..n-1`; the first `counts[b]` rows are
+        real and become committed (`counts` `[batch]`); the rest are scratch past the committed prefix.
+        """
+        n = context.shape[1]
+        slots = cache.lengths[:, None] + torch.arange(n, device=context.device)[None, :]  # [batch, n]
+        ctx = self.hidden_norm(self.fc(context))
+        cos, sin = self.rotary(ctx, slots)
+        layer: Any
+        for i, layer in enumerate(self.layers):
+            cache.write(i, slots, *layer.self_attn.project_kv(ctx, cos, sin))
+        cache.lengths += counts
+
     def forward(
         self,
         block_embeds: torch.Tensor,
@@ -119,28 +134,17 @@ class DFlashDrafter(nn.Module):
 
         `block_embeds` `[batch, block, hidden]` are the target's embeddings of `[bonus, mask, ...]`;
         `context` `[batch, n, features]` are new target features, of which the first `context_counts[b]`
-        are real. The block sits right after the context. `key_span` bounds `max(lengths) + n` on the host.
+        are real. The block sits right after the context. `key_span` bounds the committed lengths after the
+        append; slots past a request's length are masked.
         """
-        batch, n, _ = context.shape
-        block = block_embeds.shape[1]
-        steps = torch.arange(max(n, block), device=context.device)[None, :]
-        ctx_slots = cache.lengths[:, None] + steps[:, :n]  # [batch, n]
-        new_lengths = cache.lengths + context_counts
-        block_pos = new_lengths[:, None] + steps[:, :block]  # [batch, block]
-        ctx = self.hidden_norm(self.fc(context))
-        ctx_cos, ctx_sin = self.rotary(ctx, ctx_slots)
+        self.append_context(context, context_counts, cache)
+        batch, block = block_embeds.shape[:2]
+        block_pos = cache.lengths[:, None] + torch.arange(block, device=block_embeds.device)[None, :]  # [batch, block]
         cos, sin = self.rotary(block_embeds, block_pos)
-        visible = torch.arange(key_span, device=context.device)[None, :] < new_lengths[:, None]  # [batch, span]
-        ones = torch.ones((batch, block), dtype=torch.bool, device=context.device)
+        visible = torch.arange(key_span, device=block_embeds.device)[None, :] < cache.lengths[:, None]  # [batch, span]
+        ones = torch.ones((batch, block), dtype=torch.bool, device=block_embeds.device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
-
-        def context_kv(i: int, attn: DFlashAttention) -> tuple[torch.Tensor, torch.Tensor]:
-            cache.write(i, ctx_slots, *attn.project_kv(ctx, ctx_cos, ctx_sin))
-            return cache.read(i, key_span)
-
-        out = self._stack(block_embeds, cos, sin, mask, context_kv)
-        cache.lengths.copy_(new_lengths)
-        return out
+        return self._stack(block_embeds, cos, sin, mask, lambda i, attn: cache.read(i, key_span))
 
     def forward_blocks(
         self,

@@ -2,7 +2,7 @@
 
 We load weights, config and tokenizer with transformers and reuse its modules (projections, norms, MLP,
 rotary embedding). The layer loop is ours so that one forward can take a tree: per-request positions, an
-ancestor-only mask and a preallocated cache with compaction (see `ddtree.engine.kv_cache`).
+ancestor-only mask and a preallocated cache with compaction (see `ddtree.kv_cache`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ddtree.engine.kv_cache import KVCache
 from ddtree.errors import UserError
+from ddtree.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

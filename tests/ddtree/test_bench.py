@@ -12,12 +12,19 @@ def test_bench_rows(tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest
     target, drafter = tiny_dirs
     out = tmp_path / "rows.json"
     argv = ["bench", "--model", str(target), "--drafter", str(drafter), "--budgets", "2,16", "--limit", "3"]
-    assert main([*argv, "--max-new-tokens", "8", "--batch-size", "2", "--json", str(out)]) == 0
+    assert main([*argv, "--max-new-tokens", "8", "--batch-size", "2", "--json", str(out), "--baseline", "hf"]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 2), ("ddtree", 16)]
-    assert rows[0]["tau"] == 1.0
-    assert len({r["new_tokens"] for r in rows}) == 1, "every method emits the same tokens"
-    assert "vs ar" in capsys.readouterr().out
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("hf", None),
+        ("ar", None),
+        ("dflash", None),
+        ("ddtree", 2),
+        ("ddtree", 16),
+    ]
+    assert rows[0]["tau"] is None and rows[1]["tau"] == 1.0
+    assert len({r["new_tokens"] for r in rows}) == 1, "every method, HF generate too, emits as many tokens"
+    table = capsys.readouterr().out
+    assert "vs ar" in table and "vs hf" in table and "hf generate" in table
 
 
 def test_bench_telemetry_overhead(tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from ddtree.engine.decode import Engine, GenerationConfig
-from ddtree.sampling import choose_tokens
+from ddtree.sampling import choose_tokens, counter_uniform
 from tests.helpers import tiny_pair
 
 VOCAB = 8
@@ -69,10 +69,49 @@ def test_sampling_is_seeded() -> None:
     assert [o.token_ids for o in a.outputs] != [o.token_ids for o in c.outputs]
 
 
-def test_choose_tokens_greedy_and_gumbel() -> None:
-    logits = torch.tensor([[0.0, 2.0, 1.0]])
-    assert choose_tokens(logits, 0.0).tolist() == [1]
-    gen = torch.Generator().manual_seed(0)
-    draws = choose_tokens(logits.expand(20000, -1), 1.0, gen)
-    freq = torch.bincount(draws, minlength=3).double() / 20000
-    assert torch.allclose(freq, torch.softmax(logits[0].double(), -1), atol=0.015)
+def test_a_request_samples_the_same_tokens_whatever_else_is_in_the_batch() -> None:
+    target, drafter = tiny_pair(4, vocab=16, block_size=4)
+    engine = Engine(target, drafter)
+    cfg = GenerationConfig(method="ddtree", budget=8, temperature=0.9, seed=3, max_new_tokens=16)
+    alone = engine.generate([[1, 2]], cfg).outputs[0].token_ids
+    batched = engine.generate([[1, 2], [5, 6, 7], [3]], cfg).outputs[0].token_ids
+    assert alone == batched
+
+
+def _draw_counts(logits: torch.Tensor, temperature: float, draws: int) -> np.ndarray:
+    """Counts of `draws` tokens drawn from `logits` `[vocab]`, one draw counter each."""
+    batch = logits.expand(draws, 1, -1)
+    temps = torch.full((draws,), temperature)
+    tokens = choose_tokens(batch, temps, torch.full((draws,), 7), torch.arange(draws))[:, 0]
+    return np.bincount(tokens.numpy(), minlength=logits.shape[-1])
+
+
+def test_choose_tokens_is_greedy_at_zero_and_follows_softmax_over_t() -> None:
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0, 0.5])
+    zero = torch.zeros(1)
+    assert choose_tokens(logits[None, None], zero, zero.long(), zero.long()).tolist() == [[1]]
+    for temperature in (0.5, 1.0, 2.0):
+        counts = _draw_counts(logits, temperature, 20000)
+        probs = torch.softmax(logits.double() / temperature, -1).numpy()
+        assert pooled_chisquare(counts, probs) > 1e-3, temperature
+        # Power: the same draws are far from the distribution at another temperature.
+        other = torch.softmax(logits.double() / (temperature * 2), -1).numpy()
+        assert pooled_chisquare(counts, other) < 1e-3, temperature
+
+
+def test_small_temperature_approaches_greedy_and_mixed_batches_keep_greedy_rows() -> None:
+    logits = torch.tensor([[[0.0, 2.0, 1.0]], [[3.0, 0.0, 1.0]]])  # [2, 1, 3]
+    temps = torch.tensor([0.01, 0.0])
+    for draw in range(50):
+        out = choose_tokens(logits, temps, torch.tensor([1, 2]), torch.tensor([draw, draw]))
+        assert out.tolist() == [[1], [0]]
+
+
+def test_counter_uniform_is_seeded_and_in_range() -> None:
+    u = counter_uniform(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 8)  # [2000, 8]
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    again = counter_uniform(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 8)
+    assert torch.equal(u, again)
+    next_draw = counter_uniform(torch.arange(2000), torch.ones(2000, dtype=torch.long), 8)
+    assert float((u == next_draw).float().mean()) < 0.01

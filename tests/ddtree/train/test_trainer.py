@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.engine.kv_cache import KVCache
+from ddtree.kv_cache import KVCache
 from ddtree.models.dflash import load_drafter
 from ddtree.train.data import TrainingSequence
 from ddtree.train.trainer import TrainConfig, block_batch, block_loss, block_mask, train

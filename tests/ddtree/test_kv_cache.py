@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.engine.kv_cache import KVCache
+from ddtree.kv_cache import KVCache
 
 
 def test_compact_moves_the_path_and_commits_only_active_rows() -> None:

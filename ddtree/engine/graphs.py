@@ -1,0 +1,89 @@
+"""Run a decode step's stages eagerly or as CUDA graph replays.
+
+A step is a list of stages, each a function that reads and writes a dict of tensors (the "bag"). All state
+that lives across steps sits in the session's own preallocated tensors, which the stages update in place,
+so a graph captured once per step shape replays any later step of that shape.
+
+The first step of a shape runs eagerly: it is a real step and the warm-up that capture needs. The graphs
+are captured right after it (capture records kernels without running them, so the state stays as the
+eager step left it) and replayed from the next step on. Unobserved steps are one graph; observed steps
+are one graph per stage, so that the observer's stage marks fall between replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from telemetry import semconv
+from telemetry.hooks import NOOP, StepObserver
+
+Bag = dict[str, Any]
+Stage = Callable[[Bag], None]
+
+
+@dataclass
+class _Captured:
+    graphs: list[Any]  # torch.cuda.CUDAGraph, one for the step or one per stage
+    bag: Bag  # the graphs' static inputs and outputs
+
+
+class StepRunner:
+    """Runs `stages` (name, function) for a step shape `key`, with the observer's stage hooks around them."""
+
+    def __init__(self, stages: list[tuple[str, Stage]], observer: StepObserver, cuda_graphs: bool) -> None:
+        self.stages = stages
+        self.observer = observer
+        self.cuda_graphs = cuda_graphs
+        self.per_stage = observer is not NOOP
+        self.captured: dict[tuple[Any, ...], _Captured] = {}
+
+    def run(self, key: tuple[Any, ...], constants: Bag) -> Bag:
+        """One step. `constants` (host values baked into the shape, part of `key`) seed the bag."""
+        entry = self.captured.get(key) if self.cuda_graphs else None
+        if entry is None:
+            bag = self._eager(dict(constants))
+            if self.cuda_graphs:
+                self.captured[key] = self._capture(dict(constants))
+            return bag
+        if not self.per_stage:
+            entry.graphs[0].replay()
+            return entry.bag
+        obs = self.observer
+        for (name, _), graph in zip(self.stages, entry.graphs, strict=True):
+            obs.on_stage_start(name)
+            graph.replay()
+            if name == semconv.STAGE_TREE_BUILD:
+                obs.on_tree(entry.bag["tree"])
+            obs.on_stage_end(name)
+        return entry.bag
+
+    def _eager(self, bag: Bag) -> Bag:
+        obs = self.observer
+        for name, stage in self.stages:
+            obs.on_stage_start(name)
+            stage(bag)
+            if name == semconv.STAGE_TREE_BUILD:
+                obs.on_tree(bag["tree"])
+            obs.on_stage_end(name)
+        return bag
+
+    def _capture(self, bag: Bag) -> _Captured:
+        torch.cuda.synchronize()  # the warm-up step has finished before capture starts
+        pool = torch.cuda.graph_pool_handle()
+        groups = [[s] for _, s in self.stages] if self.per_stage else [[s for _, s in self.stages]]
+        graphs = []
+        for group in groups:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                for stage in group:
+                    stage(bag)
+            graphs.append(graph)
+        return _Captured(graphs=graphs, bag=bag)
+
+    def clear(self) -> None:
+        """Drop every captured graph (their memory goes back to the allocator)."""
+        self.captured.clear()

@@ -1,0 +1,332 @@
+"""The slot-based decode session: the one decode core under `generate`, `bench` and the server.
+
+A session has a fixed number of slots. A request joins a free slot between steps (its prompt is
+prefilled into that slot's rows of the caches) and leaves when its caller is done with it. Every step runs
+all slots: finished and free slots are masked (they commit nothing), not compacted away, so the step's
+shapes stay fixed and a CUDA graph captured once replays every later step of that shape. Slots are
+independent: a request's tokens depend only on its prompt, its settings and its seed.
+
+A step: draft -> tree_build -> verify -> accept (see `ddtree.engine.graphs` for how they run). It makes one
+device-to-host transfer, the accepted tokens, which the caller needs anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddtree.engine.graphs import Bag, StepRunner
+from ddtree.engine.proposers import make_proposer
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.target import Target
+from ddtree.sampling import choose_tokens
+from ddtree.verify import accept, ancestor_mask
+from telemetry import semconv
+from telemetry.hooks import NOOP, StepObserver
+
+SPAN_BUCKET = 256  # with CUDA graphs, the attended key span is rounded up to a multiple of this
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
+
+
+@dataclass
+class _Slot:
+    request: Request
+    output: RequestOutput
+    length: int  # committed tokens in the caches
+
+
+class DecodeSession:
+    """`slots` requests decoded together with one method, budget and top-k, in caches of `capacity` tokens."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: DFlashDrafter | None,
+        method: str,
+        budget: int,
+        topk: int | None,
+        slots: int,
+        capacity: int,
+        observer: StepObserver = NOOP,
+        cuda_graphs: bool = False,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"a session needs at least one slot, got {slots}")
+        if cuda_graphs and target.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {target.device}")
+        self.target = target
+        self.proposer = make_proposer(method, target, drafter, budget, topk)
+        self.observer = observer
+        self.capacity = capacity
+        self.cuda_graphs = cuda_graphs
+        width, device = self.proposer.width, target.device
+        self.cache = target.new_cache(slots, capacity)
+        self.draft_cache = self.proposer.new_cache(slots, capacity)
+        features = len(target.feature_layers) * target.hidden_size
+        self.root = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] the next tree's root token
+        self.context = (  # [slots, width, features] target features of the last accepted path
+            torch.zeros((slots, width, features), dtype=target.dtype, device=device) if drafter is not None else None
+        )
+        self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] real rows of `context`
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots] still decoding
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)  # [slots]
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
+        self.draw = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] sampling draws so far
+        self.slots: list[_Slot | None] = [None] * slots
+        self.steps = 0
+        self.runner = StepRunner(
+            [
+                (semconv.STAGE_DRAFT, self._draft),
+                (semconv.STAGE_TREE_BUILD, self._build),
+                (semconv.STAGE_VERIFY, self._verify),
+                (semconv.STAGE_ACCEPT, self._accept),
+            ],
+            observer,
+            cuda_graphs,
+        )
+        self._host_out: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def width(self) -> int:
+        """Tree slots per request, root included."""
+        return self.proposer.width
+
+    def tokens_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Cache capacity a request needs in this session."""
+        return cache_tokens(prompt_tokens + max_new_tokens, self.proposer.width, self.proposer.block)
+
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s is None]
+
+    def has_active(self) -> bool:
+        return any(s is not None and not s.output.finished for s in self.slots)
+
+    def output(self, slot: int) -> RequestOutput:
+        entry = self.slots[slot]
+        if entry is None:
+            raise ValueError(f"slot {slot} is free")
+        return entry.output
+
+    # -- joining and leaving ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def join(self, requests: list[Request]) -> list[int]:
+        """Prefill `requests` into free slots (lowest first) and return their slot indices."""
+        free = self.free_slots()
+        if len(requests) > len(free):
+            raise ValueError(f"{len(requests)} requests but only {len(free)} free slots")
+        for r in requests:
+            _check_request(r, self.tokens_needed(len(r.prompt), r.max_new_tokens), self.capacity)
+        ids = free[: len(requests)]
+        first = self._prefill(ids, requests)
+        for slot, request, token in zip(ids, requests, first, strict=True):
+            entry = _Slot(request, RequestOutput(), len(request.prompt))
+            _emit(entry, [token])
+            self.slots[slot] = entry
+        self._refresh_active()
+        return ids
+
+    def leave(self, slot: int) -> RequestOutput:
+        """Free `slot` and return its request's output."""
+        out = self.output(slot)
+        self.slots[slot] = None
+        self._refresh_active()
+        return out
+
+    def _prefill(self, ids: list[int], requests: list[Request]) -> list[int]:
+        """Run the prompts into their slots' rows; return each request's first token (one host read)."""
+        target, device = self.target, self.target.device
+        prompts = [r.prompt for r in requests]
+        width = max(len(p) for p in prompts)
+        tokens = _to_device([p + [0] * (width - len(p)) for p in prompts], device)  # [k, width]
+        lengths = _to_device([len(p) for p in prompts], device)  # [k]
+        steps = torch.arange(width, device=device)
+        real = steps[None, :] < lengths[:, None]  # [k, width]
+        causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
+        visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+        scratch = target.new_cache(len(prompts), width)
+        out = target.forward(
+            tokens, steps.expand(len(prompts), -1), visible, scratch, width, logit_index=(lengths - 1)[:, None]
+        )
+        index = _to_device(ids, device)  # [k]
+        self.cache.keys[:, index, :, :width] = scratch.keys
+        self.cache.values[:, index, :, :width] = scratch.values
+        self.cache.lengths[index] = lengths
+        draft_scratch = self.proposer.new_cache(len(prompts), width)
+        if self.draft_cache is not None and draft_scratch is not None:
+            self.proposer.append_context(out.features, lengths, draft_scratch)
+            self.draft_cache.keys[:, index, :, :width] = draft_scratch.keys
+            self.draft_cache.values[:, index, :, :width] = draft_scratch.values
+            self.draft_cache.lengths[index] = lengths
+        self.temperature[index] = _to_device([r.temperature for r in requests], device).float()
+        self.seed[index] = _to_device([r.seed for r in requests], device)
+        self.draw[index] = 0
+        first = choose_tokens(
+            out.logits,
+            self.temperature[index],
+            self.seed[index],
+            self.draw[index],
+            any(r.temperature > 0 for r in requests),
+        )[:, 0]  # [k]
+        self.draw[index] = 1
+        self.root[index] = first
+        self.counts[index] = 0
+        return [int(t) for t in _to_host(first)]
+
+    def _refresh_active(self) -> None:
+        flags = [s is not None and not s.output.finished for s in self.slots]
+        self.active.copy_(_to_device(flags, self.target.device))
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """One decode step for every slot; returns how many tokens each slot's request kept."""
+        obs = self.observer
+        occupied = [s for s in self.slots if s is not None]
+        sampled = any(s.request.temperature > 0 and not s.output.finished for s in occupied)
+        span = max((s.length for s in occupied), default=0) + self.proposer.width + self.proposer.block
+        if self.cuda_graphs:
+            span = min(self.capacity, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
+        obs.on_step_start(self.steps, self.num_slots)
+        bag = self.runner.run((span, sampled), {"span": span, "sampled": sampled})
+        host = self._read(bag["out"])  # rows: [accepted, path tokens..., bonus]
+        obs.on_accept(bag["result"], [row[0] for row in host])
+        emitted = self._commit(host)
+        obs.on_step_end(self.steps, emitted)
+        self.steps += 1
+        return emitted
+
+    def _draft(self, bag: Bag) -> None:
+        bag["logits"] = self.proposer.draft(self.root, self.context, self.counts, self.draft_cache, bag["span"])
+
+    def _build(self, bag: Bag) -> None:
+        tree = self.proposer.build(bag["logits"], self.num_slots)
+        bag["tree"] = tree
+        bag["ancestors"] = ancestor_mask(tree)  # [slots, nodes, nodes]
+
+    def _verify(self, bag: Bag) -> None:
+        tree = bag["tree"]
+        tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [slots, nodes]
+        tokens[:, 0] = self.root
+        positions = self.cache.lengths[:, None] + tree.depths
+        verified = self.target.forward(tokens, positions, bag["ancestors"], self.cache, bag["span"])
+        bag["choice"] = choose_tokens(verified.logits, self.temperature, self.seed, self.draw, bag["sampled"])
+        bag["features"] = verified.features
+
+    def _accept(self, bag: Bag) -> None:
+        result = accept(bag["tree"], bag["ancestors"], bag["choice"], self.root)
+        counts = torch.where(self.active, result.accepted + 1, 0)  # [slots] tokens each slot commits
+        self.cache.compact(result.path, counts)
+        features = bag["features"]
+        if features is not None and self.context is not None:
+            index = result.path[:, :, None].expand(-1, -1, features.shape[-1])
+            self.context.copy_(features.gather(1, index))
+        self.counts.copy_(counts)
+        self.root.copy_(result.bonus)
+        self.draw += 1
+        bag["result"] = result
+        bag["out"] = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)
+
+    def _read(self, out: torch.Tensor) -> list[list[int]]:
+        """The one readback per step, into a reused pinned buffer on CUDA."""
+        if out.device.type != "cuda":
+            rows: list[list[int]] = out.tolist()
+            return rows
+        host = self._host_out.get(tuple(out.shape))
+        if host is None:
+            host = self._host_out.setdefault(tuple(out.shape), torch.empty(out.shape, dtype=out.dtype, pin_memory=True))
+        return _to_host(out, host)  # type: ignore[no-any-return]
+
+    def _commit(self, host: list[list[int]]) -> list[int]:
+        """Give each decoding slot its accepted drafts and bonus; return how many tokens each kept."""
+        emitted = [0] * self.num_slots
+        finished_now = False
+        for i, (entry, row) in enumerate(zip(self.slots, host, strict=True)):
+            if entry is None or entry.output.finished:
+                continue
+            n = row[0]
+            entry.output.acceptance_lengths.append(n + 1)
+            entry.length += n + 1
+            before = len(entry.output.token_ids)
+            _emit(entry, [*row[2 : 2 + n], row[-1]])
+            emitted[i] = len(entry.output.token_ids) - before
+            finished_now |= entry.output.finished
+        if finished_now:
+            self._refresh_active()
+        return emitted
+
+
+def cache_tokens(tokens: int, width: int, block: int) -> int:
+    """Cache capacity for a request of `tokens` tokens (prompt and new). The last step may commit up to a
+    tree's depth past the limit, and a finished slot still writes one tree of `width` scratch rows."""
+    return tokens + 2 * width + block
+
+
+def _check_request(request: Request, needed: int, capacity: int) -> None:
+    if not request.prompt:
+        raise ValueError("every prompt needs at least one token")
+    if request.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    if request.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+    if needed > capacity:
+        raise ValueError(
+            f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"
+        )
+
+
+def _emit(entry: _Slot, tokens: list[int]) -> None:
+    """Append tokens up to the request's limit or its first end-of-sequence token."""
+    out, limit, eos = entry.output, entry.request.max_new_tokens, entry.request.eos_token_ids
+    for token in tokens:
+        if len(out.token_ids) >= limit:
+            break
+        out.token_ids.append(token)
+        if token in eos:
+            out.finished, out.finish_reason = True, "stop"
+            return
+    if len(out.token_ids) >= limit:
+        out.finished, out.finish_reason = True, "length"
+
+
+def _to_host(t: torch.Tensor, host: torch.Tensor | None = None) -> Any:
+    """A device tensor's values as lists. On CUDA: a non-blocking copy to pinned memory, then a wait on its
+    event (an explicit wait, not an implicit sync, so the loop runs under `set_sync_debug_mode("error")`)."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    if host is None:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record()
+    done.synchronize()
+    return host.numpy().tolist()
+
+
+def _to_device(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Host values to the device without an implicit sync (pinned memory, non-blocking copy)."""
+    host = torch.tensor(values, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

