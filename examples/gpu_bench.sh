@@ -6,6 +6,7 @@ set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree}
 target=$work/target
+drafter=$($PY -c "from ddtree.models.default import default_drafter; print(default_drafter())")
 mkdir -p "$work"
 has() { [[ ",$steps," == *",$1,"* ]]; }
 if has convert && [ ! -f "$target/config.json" ]; then
@@ -14,7 +15,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$targ
 fi
 if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless,sync; fi
 bench() {  # batch, prompts, budgets, extra
-  $PY -m ddtree.cli bench --model "$target" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
     --baseline hf --json "$work/bench_b$1.json" "${@:4}"
 }
 if has bench1; then bench 1 8 8,16,32,64; fi

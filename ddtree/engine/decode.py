@@ -68,6 +68,8 @@ class Engine:
         self.drafter = drafter
         self.observer = observer
         self.cuda_graphs = use_cuda_graphs(cuda_graphs, target.device)
+        if self.cuda_graphs:
+            target.compile_layers()  # fewer kernels per layer; compiled on the eager first step of each shape
         self.sessions: OrderedDict[tuple[object, ...], DecodeSession] = OrderedDict()
 
     def generate(

@@ -53,6 +53,8 @@ class Target:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
+        self._qkv: Any = _qkv  # replaced by compiled versions in compile_layers()
+        self._residual_mlp: Any = _residual_mlp
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +104,16 @@ class Target:
         feats = torch.cat([features[i] for i in self.feature_layers], dim=-1) if features else None
         return TargetOutput(logits=self.head(x), features=feats)
 
+    def compile_layers(self) -> None:
+        """Fuse each layer's work around attention with `torch.compile` (regional compilation: the code is
+        compiled once per shape and reused by every layer, since layers differ only in their weights).
+        Attention and the cache writes stay eager, so the compiled regions hold no in-place updates."""
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self._qkv = torch.compile(_qkv, dynamic=False)
+        self._residual_mlp = torch.compile(_residual_mlp, dynamic=False)
+
     def _layer(
         self,
         layer: Any,
@@ -115,22 +127,38 @@ class Target:
         key_span: int,
     ) -> torch.Tensor:
         attn = layer.self_attn
-        batch, n, _ = x.shape
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(batch, n, -1, self.head_dim)
-        k = attn.k_proj(h).view(batch, n, -1, self.head_dim)
-        v = attn.v_proj(h).view(batch, n, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q, k, v = self._qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
         keys, values = cache.read(index, key_span)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
         )  # [batch, heads, n, head_dim]
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
-        result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+        result: torch.Tensor = self._residual_mlp(layer, x, out)
         return result
+
+
+def _qkv(
+    layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values `[batch, heads, n, head_dim]` of `x` `[batch, n, hidden]`, normed and rotated."""
+    attn = layer.self_attn
+    batch, n, _ = x.shape
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(batch, n, -1, head_dim)
+    k = attn.k_proj(h).view(batch, n, -1, head_dim)
+    v = attn.v_proj(h).view(batch, n, -1, head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v
+
+
+def _residual_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a layer: output projection, residual, MLP, residual. `attended` `[batch, heads, n, head_dim]`."""
+    batch, n, _ = x.shape
+    x = x + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, n, -1))
+    result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    return result
 
 
 def tree_attention_mask(lengths: torch.Tensor, visible: torch.Tensor, key_span: int) -> torch.Tensor:

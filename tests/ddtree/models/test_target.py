@@ -3,9 +3,9 @@ from __future__ import annotations
 import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
-from ddtree.models.target import Target
+from ddtree.models.target import Target, _qkv
 from ddtree.models.tiny import random_llama, tiny_llama_config
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, tiny_pair
 
 
 def test_our_ar_equals_hf_generate() -> None:
@@ -16,3 +16,15 @@ def test_our_ar_equals_hf_generate() -> None:
     for prompt, out in zip(prompts, ours, strict=True):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert out.token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_compiled_layers_decode_the_same_tokens() -> None:
+    """The regions that `compile_layers` fuses compute what the eager layer computes (inductor on CPU here)."""
+    target, drafter = tiny_pair(3, vocab=24, block_size=5, dtype=torch.float32)
+    prompts = random_prompts(3, 3, vocab=24)
+    config = GenerationConfig(method="ddtree", budget=8, max_new_tokens=20)
+    eager = Engine(target, drafter).generate(prompts, config)
+    target.compile_layers()
+    compiled = Engine(target, drafter).generate(prompts, config)
+    assert target._qkv is not _qkv, "the compiled region is in use"
+    assert [o.token_ids for o in compiled.outputs] == [o.token_ids for o in eager.outputs]

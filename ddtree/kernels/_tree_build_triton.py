@@ -1,0 +1,253 @@
+"""Triton kernels of the fused tree build; `ddtree.kernels.tree_build` explains the algorithm and launches them.
+
+This module imports triton at import time, so it is only imported lazily, on the first fused call. Keys: a
+float32 value becomes a uint32 `ukey` whose unsigned order is the float order; an int64 `packed` key holds the
+ukey (as a signed number) in its high half and `0x7FFFFFFF - position` in its low half, so a descending sort of
+packed keys orders by value, then by earlier position. Positions are below 2**31.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+F = TypeVar("F", bound=Callable[..., Any])
+INT64_MIN: tl.constexpr = tl.constexpr(-(2**63))
+
+
+def _jit(fn: F) -> F:
+    """`triton.jit`, typed for mypy (triton has no stubs); the result is a Triton JITFunction."""
+    return cast(F, triton.jit(fn))
+
+
+@_jit
+def _exp(x: tl.tensor, ACCURATE: tl.constexpr) -> tl.tensor:
+    """exp; ACCURATE uses libdevice's expf (what torch's CUDA kernels use), else tl.exp (the interpreter's)."""
+    return libdevice.exp(x) if ACCURATE else tl.exp(x)
+
+
+@_jit
+def _log(x: tl.tensor, ACCURATE: tl.constexpr) -> tl.tensor:
+    return libdevice.log(x) if ACCURATE else tl.log(x)
+
+
+@_jit
+def _ordered_key(x: tl.tensor) -> tl.tensor:
+    """float32 [n] -> uint32 [n], monotone: larger float, larger key (-0.0 sits just below +0.0)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return bits ^ (((bits >> 31) * 0x7FFFFFFF) | 0x80000000)
+
+
+@_jit
+def _pack(ukey: tl.tensor, pos: tl.tensor) -> tl.tensor:
+    """uint32 [n], int [n] -> int64 [n]: value first, then earlier position first, under a descending sort."""
+    signed = (ukey ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    return (signed << 32) | (0x7FFFFFFF - pos.to(tl.int64))
+
+
+@_jit
+def _unpack_value(packed: tl.tensor) -> tl.tensor:
+    """int64 [n] -> the float32 [n] whose key is in the high half."""
+    ukey = (packed >> 32).to(tl.int32).to(tl.uint32, bitcast=True) ^ 0x80000000
+    flip = ((1 - (ukey >> 31)) * 0x7FFFFFFF) | 0x80000000
+    return (ukey ^ flip).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _unpack_pos(packed: tl.tensor) -> tl.tensor:
+    """int64 [n] -> int32 [n] position stored in the low half."""
+    return (0x7FFFFFFF - (packed & 0x7FFFFFFF)).to(tl.int32)
+
+
+@_jit
+def _kth_largest(ukey: tl.tensor, k: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
+    """Radix select, 8 bits a pass: the k-th largest of `ukey` (uint32 [n], n >= k) and how many entries
+    equal to it belong to the k largest (the others equal to it are ranked below them)."""
+    bins = tl.arange(0, 256)
+    remaining = k
+    prefix = tl.zeros((), dtype=tl.uint32)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        digit = ((ukey >> shift) & 0xFF).to(tl.int32)  # [n]
+        active = None if p == 0 else (ukey >> (shift + 8)) == prefix  # [n] entries of the chosen bucket
+        hist = tl.histogram(digit, 256, mask=active)  # [256]
+        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # [256] entries of the bucket with a larger digit
+        best = tl.min(tl.where(above < remaining, bins, 256), 0)
+        remaining = remaining - tl.sum(tl.where(bins == best, above, 0), 0)
+        prefix = (prefix << 8) | best.to(tl.uint32)
+    return prefix, remaining
+
+
+@_jit
+def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.tensor) -> None:
+    """Store `packed` of the k largest `ukey` (uint32 [n]; among equal keys the earliest positions) to
+    dst[0:k], in position order."""
+    thr, need = _kth_largest(ukey, k)
+    eq = ukey == thr  # [n]
+    sel = (ukey > thr) | eq
+    if need < tl.sum(eq.to(tl.int32), 0):  # a tie straddles the k-th place: keep the earliest `need`
+        sel = (ukey > thr) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(sel.to(tl.int32), 0) - 1  # [n] slot in dst
+    tl.store(dst_ptr + pos, packed, mask=sel)
+
+
+@_jit
+def _sorted_top(src_ptr: tl.tensor, k: tl.tensor, K_PAD: tl.constexpr) -> tl.tensor:
+    """Load the k packed keys at src[0:k] and sort them descending: int64 [K_PAD], padding last."""
+    r = tl.arange(0, K_PAD)
+    return tl.sort(tl.load(src_ptr + r, mask=r < k, other=INT64_MIN), descending=True)
+
+
+@_jit
+def vocab_partial_kernel(
+    logits_ptr: tl.tensor,  # [rows, vocab] float32/bfloat16/float16
+    part_key_ptr: tl.tensor,  # [rows, n_split, K_PAD] int64: packed (logit, vocab id), k per chunk, id order
+    part_max_ptr: tl.tensor,  # [rows, n_split] float32: chunk max
+    part_sum_ptr: tl.tensor,  # [rows, n_split] float32: sum of exp(logit - chunk max)
+    vocab: tl.tensor,
+    k: tl.tensor,
+    n_split: tl.tensor,
+    CHUNK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    ACCURATE: tl.constexpr,
+) -> None:
+    """One program per (row, vocab chunk): chunk max and exp-sum, and the chunk's k largest logits."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    idx = split * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] vocab ids
+    inside = idx < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * vocab + idx, mask=inside, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    s = tl.sum(_exp(x - tl.where(m == float("-inf"), 0.0, m), ACCURATE), 0)
+    out = row * n_split + split
+    tl.store(part_max_ptr + out, m)
+    tl.store(part_sum_ptr + out, s)
+    ukey = tl.where(inside, _ordered_key(x), 0)  # [CHUNK]; ids past the vocabulary rank last
+    _compact_top(ukey, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD)
+
+
+@_jit
+def vocab_merge_kernel(
+    part_key_ptr: tl.tensor,  # [rows, n_split, K_PAD] int64
+    part_max_ptr: tl.tensor,  # [rows, n_split] float32
+    part_sum_ptr: tl.tensor,  # [rows, n_split] float32
+    scratch_ptr: tl.tensor,  # [rows, K_PAD] int64
+    top_lp_ptr: tl.tensor,  # [rows, k] float32 out
+    top_ids_ptr: tl.tensor,  # [rows, k] int64 out
+    vocab: tl.tensor,
+    k: tl.tensor,
+    n_split: tl.tensor,
+    S_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    ACCURATE: tl.constexpr,
+) -> None:
+    """One program per row: logsumexp from the chunk partials, then the top k by (log-prob, -vocab id)."""
+    row = tl.program_id(0)
+    sp = tl.arange(0, S_PAD)
+    part_max = tl.load(part_max_ptr + row * n_split + sp, mask=sp < n_split, other=float("-inf"))  # [S_PAD]
+    part_sum = tl.load(part_sum_ptr + row * n_split + sp, mask=sp < n_split, other=0.0)  # [S_PAD]
+    m = tl.max(part_max, 0)
+    total = tl.sum(part_sum * _exp(part_max - tl.where(m == float("-inf"), 0.0, m), ACCURATE), 0)
+    log_sum = _log(total, ACCURATE)
+
+    c = tl.arange(0, S_PAD * K_PAD)  # split-major, so valid entries are in vocab id order
+    ok = ((c // K_PAD) < n_split) & ((c % K_PAD) < k)
+    packed = tl.load(part_key_ptr + row.to(tl.int64) * n_split * K_PAD + c, mask=ok, other=0)
+    ids = _unpack_pos(packed)  # [S_PAD * K_PAD]
+    ok = ok & (ids < vocab)
+    lp = (_unpack_value(packed) - m) - log_sum  # torch's CUDA log_softmax: (x - max) - log(sum)
+    ukey = tl.where(ok, _ordered_key(lp), 0)
+    _compact_top(ukey, _pack(ukey, ids), k, scratch_ptr + row * K_PAD)
+    tl.debug_barrier()
+    top = _sorted_top(scratch_ptr + row * K_PAD, k, K_PAD)  # [K_PAD]
+    r = tl.arange(0, K_PAD)
+    tl.store(top_lp_ptr + row * k + r, _unpack_value(top), mask=r < k)
+    tl.store(top_ids_ptr + row * k + r, _unpack_pos(top).to(tl.int64), mask=r < k)
+
+
+@_jit
+def beam_tree_kernel(
+    top_lp_ptr: tl.tensor,  # [batch, depth, k] float32, descending per row
+    top_ids_ptr: tl.tensor,  # [batch, depth, k] int64
+    pair_ptr: tl.tensor,  # [2, M_PAD] int32: (prefix slot i, token rank j) with (i+1)(j+1) <= budget; i = -1 pads
+    lvl_lp_ptr: tl.tensor,  # [batch, N_PAD] float32 scratch: level d slot r at d * B_PAD + r
+    lvl_tok_ptr: tl.tensor,  # [batch, N_PAD] int64 scratch
+    lvl_par_ptr: tl.tensor,  # [batch, N_PAD] int32 scratch: parent slot in level d - 1
+    node_ptr: tl.tensor,  # [batch, N_PAD] int32 scratch: node index of each chosen candidate
+    key_ptr: tl.tensor,  # [batch, B_PAD] int64 scratch
+    tokens_ptr: tl.tensor,  # [batch, 1 + budget] int64 out
+    parents_ptr: tl.tensor,  # [batch, 1 + budget] int64 out
+    depths_ptr: tl.tensor,  # [batch, 1 + budget] int64 out
+    log_probs_ptr: tl.tensor,  # [batch, 1 + budget] float32 out
+    num_nodes_ptr: tl.tensor,  # [batch] int64 out
+    budget: tl.tensor,
+    k: tl.tensor,
+    DEPTH: tl.constexpr,
+    M_PAD: tl.constexpr,
+    B_PAD: tl.constexpr,
+    N_PAD: tl.constexpr,
+) -> None:
+    """One program per request: the depth-wise beam, then the global top-`budget` and node numbering."""
+    b = tl.program_id(0)
+    r = tl.arange(0, B_PAD)  # [B_PAD] slot / rank
+    in_beam = r < budget
+    lvl = b.to(tl.int64) * N_PAD
+    row0 = b.to(tl.int64) * DEPTH * k
+    keys = key_ptr + b.to(tl.int64) * B_PAD
+    first = in_beam & (r < k)
+    tl.store(lvl_lp_ptr + lvl + r, tl.load(top_lp_ptr + row0 + r, mask=first, other=float("-inf")), mask=in_beam)
+    tl.store(lvl_tok_ptr + lvl + r, tl.load(top_ids_ptr + row0 + r, mask=first, other=-1), mask=in_beam)
+    tl.store(lvl_par_ptr + lvl + r, tl.full((B_PAD,), -1, tl.int32), mask=in_beam)
+    tl.debug_barrier()
+
+    t = tl.arange(0, M_PAD)  # [M_PAD] pair index = rank of the flat index i * k + j
+    pi = tl.load(pair_ptr + t)
+    pj = tl.load(pair_ptr + M_PAD + t)
+    pair_ok = pi >= 0
+    for d in range(1, DEPTH):
+        prev = tl.load(lvl_lp_ptr + lvl + (d - 1) * B_PAD + pi, mask=pair_ok, other=float("-inf"))
+        cand = prev + tl.load(top_lp_ptr + row0 + d * k + pj, mask=pair_ok, other=float("-inf"))  # [M_PAD]
+        ukey = tl.where(pair_ok, _ordered_key(cand), 0)
+        _compact_top(ukey, _pack(ukey, t), budget, keys)
+        tl.debug_barrier()
+        top = _sorted_top(keys, budget, B_PAD)  # [B_PAD]
+        src = _unpack_pos(top)
+        j = tl.load(pair_ptr + M_PAD + src, mask=in_beam, other=0)
+        slot = lvl + d * B_PAD + r
+        tl.store(lvl_lp_ptr + slot, _unpack_value(top), mask=in_beam)
+        tl.store(lvl_tok_ptr + slot, tl.load(top_ids_ptr + row0 + d * k + j, mask=in_beam, other=-1), mask=in_beam)
+        tl.store(lvl_par_ptr + slot, tl.load(pair_ptr + src, mask=in_beam, other=0), mask=in_beam)
+        tl.debug_barrier()
+
+    # Global top-`budget`; the flat index d * B_PAD + r breaks ties: shallower first, then beam slot.
+    f = tl.arange(0, N_PAD)
+    f_ok = ((f // B_PAD) < DEPTH) & ((f % B_PAD) < budget)
+    val = tl.load(lvl_lp_ptr + lvl + f, mask=f_ok, other=float("-inf"))  # [N_PAD]
+    ukey = tl.where(f_ok, _ordered_key(val), 0)
+    _compact_top(ukey, _pack(ukey, f), budget, keys)
+    tl.debug_barrier()
+    top = _sorted_top(keys, budget, B_PAD)  # [B_PAD] in node order
+    lp = _unpack_value(top)
+    src = _unpack_pos(top)
+    real = in_beam & (lp > float("-inf"))
+    tl.store(node_ptr + lvl + src, r + 1, mask=in_beam)
+    tl.debug_barrier()
+    d_src = src // B_PAD
+    par_slot = tl.load(lvl_par_ptr + lvl + src, mask=in_beam, other=0)
+    par_node = tl.load(node_ptr + lvl + (d_src - 1) * B_PAD + par_slot, mask=real & (d_src > 0), other=0)
+    tok = tl.load(lvl_tok_ptr + lvl + src, mask=in_beam, other=-1)
+    out = b.to(tl.int64) * (budget + 1) + 1 + r
+    tl.store(tokens_ptr + out, tl.where(real, tok, -1), mask=in_beam)
+    tl.store(parents_ptr + out, tl.where(real, par_node, -1).to(tl.int64), mask=in_beam)
+    tl.store(depths_ptr + out, tl.where(real, d_src + 1, 0).to(tl.int64), mask=in_beam)
+    tl.store(log_probs_ptr + out, lp, mask=in_beam)
+    root = b.to(tl.int64) * (budget + 1)
+    tl.store(tokens_ptr + root, -1)
+    tl.store(parents_ptr + root, -1)
+    tl.store(depths_ptr + root, 0)
+    tl.store(log_probs_ptr + root, 0.0)
+    tl.store(num_nodes_ptr + b, tl.sum(real.to(tl.int64), 0))

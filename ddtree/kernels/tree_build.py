@@ -1,0 +1,187 @@
+"""The draft tree of `ddtree.tree.build_tree`, built by three Triton kernels instead of a dozen torch ops.
+
+`build_tree_fused(draft_logits, budget, topk)` returns the same `DraftTree` as `build_tree`, the exact torch
+reference. With K = min(topk, budget) (ranks past `budget` can never be chosen, since the first `budget` tokens
+of a depth all beat them), it runs:
+
+1. `vocab_partial_kernel`, grid (batch * depth, vocab chunks): each program loads its chunk of logits once
+   (CHUNK of them, in registers), takes the chunk max and sum of exp(logit - max) (the split-K half of an online
+   logsumexp), and selects the chunk's K largest logits with an exact radix select (four 8-bit histogram passes
+   over order-preserving uint32 keys, then a prefix-sum compaction). The vocabulary is read once.
+2. `vocab_merge_kernel`, grid (batch * depth): merges the partials into logsumexp, turns the candidates into
+   log-probs exactly as torch's CUDA log_softmax does, `(logit - max) - log(sum)`, and keeps the top K by
+   (log-prob descending, vocab id ascending): top_lp [batch, depth, K] float32, top_ids [batch, depth, K] int64.
+3. `beam_tree_kernel`, grid (batch): the depth-wise beam and the tree. Level d's candidates are level d-1's
+   slots i (sorted) plus depth d's tokens j (sorted); (i, j) is beaten by every (i', j') <= (i, j), so only the
+   pairs with (i+1)(j+1) <= budget can be in the top `budget` (about budget * ln(budget) of them: 1.6k instead of
+   65k at budget 256). A radix select keeps the best `budget`, a bitonic sort of those orders the new level.
+   Then the global top `budget` over all levels (same select and sort), node numbering and parent lookup.
+
+Every selection orders by (value descending, position ascending), positions being the vocab id, the flat
+candidate index i * k + j of the beam step, and depth-major (depth, slot) of the global step; the last one is
+the stable sort of the reference, so a parent always precedes an equally probable child.
+
+Ties. Without ties the tree equals the torch path's exactly (tokens, parents, depths, num_nodes; log_probs
+agree to float32 rounding: the vocab logsumexp is summed in a different order, so its last bit can differ).
+Among equal log-probs the fused path always prefers the smaller vocab id, then the smaller flat beam index,
+then the shallower depth and smaller slot. torch.topk does not promise an order among ties, so on tied inputs
+(bfloat16 logits tie often) the two trees may list equally probable prefixes in a different order or pick a
+different one of several equal prefixes at the `budget` boundary; the fused tree is still a set of `budget`
+most probable prefixes with parents before children. One more case differs from the reference: logits that are
+distinct but round to the same log-prob, straddling the K-th place of a vocabulary chunk (the chunk ranks them
+by logit, the reference by vocab id); that takes two logits within one float32 ulp of the log-prob at the
+boundary. NaN logits are not supported.
+
+Limits: blocks of at most 16384 entries (budget 1024 at depth 16, budget 256 at depth 64, vocab chunks of up to
+16384); `build_tree_fused` falls back to `build_tree` beyond them and for empty inputs. The pair table of the
+beam is built on the host once per (budget, K, device) and cached, so call once before CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from ddtree.tree import DraftTree, build_tree
+
+MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
+_CHUNK = 4096  # preferred vocab chunk per program in the first kernel
+
+
+def triton_available() -> bool:
+    """Whether the fused path can run here: triton importable, and a CUDA device or TRITON_INTERPRET=1."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _kernels() -> ModuleType:
+    """The Triton kernels, imported on first use (the core install may lack triton)."""
+    return importlib.import_module("ddtree.kernels._tree_build_triton")
+
+
+def _interpreting() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _chunk_plan(vocab: int, k_pad: int) -> tuple[int, int]:
+    """(CHUNK, number of chunks) for the vocab pass: a chunk holds at least k_pad entries, the merge at most
+    MAX_BLOCK candidates."""
+    chunk = max(k_pad, min(_CHUNK, _pow2(vocab)))
+    while _pow2(-(-vocab // chunk)) * k_pad > MAX_BLOCK and chunk < MAX_BLOCK:
+        chunk *= 2
+    return chunk, -(-vocab // chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_table(budget: int, k: int, device: str) -> torch.Tensor:
+    """[2, M_PAD] int32: the beam pairs (slot i, token rank j) with (i+1)(j+1) <= budget, j < k, ordered by
+    i * k + j; padding has i = -1."""
+    pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+    table = torch.zeros((2, _pow2(len(pairs))), dtype=torch.int32)  # [2, M_PAD]
+    table[0].fill_(-1)
+    table[:, : len(pairs)] = torch.tensor(pairs, dtype=torch.int32).T
+    return table.to(device)
+
+
+def fused_supported(depth: int, vocab: int, budget: int, k: int) -> bool:
+    """Whether the kernels' blocks fit (else `build_tree_fused` uses `build_tree`); k is the effective topk."""
+    k_eff = min(k, budget)
+    chunk, n_split = _chunk_plan(vocab, _pow2(k_eff))
+    m_pad = _pow2(sum(min(k_eff, budget // (i + 1)) for i in range(budget)))
+    return max(chunk, _pow2(n_split) * _pow2(k_eff), m_pad, _pow2(depth) * _pow2(budget)) <= MAX_BLOCK
+
+
+def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-depth log_softmax + top-k in one read of the logits ([batch, depth, vocab], 1 <= k <= vocab).
+
+    Returns top_lp [batch, depth, k] float32 and top_ids [batch, depth, k] int64, sorted by log-prob
+    descending, smaller vocab id first among equal log-probs.
+    """
+    batch, depth, vocab = draft_logits.shape
+    logits = draft_logits.contiguous()  # [batch, depth, vocab]
+    device = logits.device
+    rows, k_pad = batch * depth, _pow2(k)
+    chunk, n_split = _chunk_plan(vocab, k_pad)
+    kern, accurate = _kernels(), not _interpreting()
+    part_key = torch.empty((rows, n_split, k_pad), dtype=torch.int64, device=device)  # [rows, split, K_PAD]
+    part_max = torch.empty((rows, n_split), dtype=torch.float32, device=device)  # [rows, split]
+    part_sum = torch.empty((rows, n_split), dtype=torch.float32, device=device)  # [rows, split]
+    scratch = torch.empty((rows, k_pad), dtype=torch.int64, device=device)  # [rows, K_PAD]
+    top_lp = torch.empty((batch, depth, k), dtype=torch.float32, device=device)  # [batch, depth, k]
+    top_ids = torch.empty((batch, depth, k), dtype=torch.int64, device=device)  # [batch, depth, k]
+    kern.vocab_partial_kernel[(rows, n_split)](
+        logits, part_key, part_max, part_sum, vocab, k, n_split,
+        CHUNK=chunk, K_PAD=k_pad, ACCURATE=accurate, num_warps=_warps(chunk),
+    )  # fmt: skip
+    kern.vocab_merge_kernel[(rows,)](
+        part_key, part_max, part_sum, scratch, top_lp, top_ids, vocab, k, n_split,
+        S_PAD=_pow2(n_split), K_PAD=k_pad, ACCURATE=accurate, num_warps=_warps(_pow2(n_split) * k_pad),
+    )  # fmt: skip
+    return top_lp, top_ids
+
+
+def beam_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> DraftTree:
+    """The tree of the `budget` most probable prefixes from per-depth top-k lists ([batch, depth, k], each row
+    sorted descending, k <= budget), as `build_tree` builds it from the same lists."""
+    batch, depth, k = top_lp.shape
+    device = top_lp.device
+    pairs = _pair_table(budget, k, str(device))  # [2, M_PAD]
+    b_pad = _pow2(budget)
+    n_pad = _pow2(depth) * b_pad
+    lvl_lp = torch.empty((batch, n_pad), dtype=torch.float32, device=device)  # [batch, depth_pad * B_PAD]
+    lvl_tok = torch.empty((batch, n_pad), dtype=torch.int64, device=device)
+    lvl_par = torch.empty((batch, n_pad), dtype=torch.int32, device=device)
+    node_of = torch.empty((batch, n_pad), dtype=torch.int32, device=device)
+    keys = torch.empty((batch, b_pad), dtype=torch.int64, device=device)  # [batch, B_PAD]
+    tokens = torch.empty((batch, 1 + budget), dtype=torch.int64, device=device)  # [batch, 1+budget]
+    parents = torch.empty_like(tokens)
+    depths = torch.empty_like(tokens)
+    log_probs = torch.empty((batch, 1 + budget), dtype=torch.float32, device=device)
+    num_nodes = torch.empty((batch,), dtype=torch.int64, device=device)  # [batch]
+    _kernels().beam_tree_kernel[(batch,)](
+        top_lp.contiguous(), top_ids.contiguous(), pairs, lvl_lp, lvl_tok, lvl_par, node_of, keys,
+        tokens, parents, depths, log_probs, num_nodes, budget, k,
+        DEPTH=depth, M_PAD=pairs.shape[1], B_PAD=b_pad, N_PAD=n_pad, num_warps=_warps(max(n_pad, pairs.shape[1])),
+    )  # fmt: skip
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, log_probs=log_probs, num_nodes=num_nodes)
+
+
+def build_tree_fused(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
+    """`build_tree` on Triton kernels: the same tree for `draft_logits` [batch, depth, vocab] (see the module
+    docstring for ties). Needs `triton_available()`; sizes past the kernels' limits use `build_tree`."""
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [batch, depth, vocab], got shape {tuple(draft_logits.shape)}")
+    batch, depth, vocab = draft_logits.shape
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    k = min(budget, vocab) if topk is None else topk
+    if not 1 <= k <= vocab:
+        raise ValueError(f"topk must be in 1..{vocab} (the vocabulary size), got {k}")
+    if not triton_available():
+        raise RuntimeError("build_tree_fused needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+    k = min(k, budget)  # ranks past `budget` are never chosen
+    if batch * depth == 0 or not fused_supported(depth, vocab, budget, k):
+        return build_tree(draft_logits, budget, topk)
+    if draft_logits.device.type != "cuda" and not _interpreting():
+        raise RuntimeError(f"build_tree_fused needs CUDA tensors outside the interpreter, got {draft_logits.device}")
+    with torch.cuda.device(draft_logits.device) if draft_logits.is_cuda else contextlib.nullcontext():
+        top_lp, top_ids = vocab_topk(draft_logits, k)
+        return beam_tree(top_lp, top_ids, budget)
