@@ -91,6 +91,8 @@ def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, bu
 
 def main(target_dir: str, out_dir: str = ".", batch: str = "1") -> None:
     target, drafter, tokenizer = load_pair(target_dir, str(default_drafter()), "cuda", "bfloat16")
+    target.compile_layers()
+    drafter.compile_layers()
     prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: int(batch)]]
     rows = [measure(target, drafter, prompts, m, b) for m, b in (("ar", 1), ("dflash", 1), ("ddtree", 32))]
     Path(out_dir, f"profile_b{batch}.json").write_text(json.dumps(rows, indent=1))

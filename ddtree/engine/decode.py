@@ -70,6 +70,8 @@ class Engine:
         self.cuda_graphs = use_cuda_graphs(cuda_graphs, target.device)
         if self.cuda_graphs:
             target.compile_layers()  # fewer kernels per layer; compiled on the eager first step of each shape
+            if drafter is not None:
+                drafter.compile_layers()
         self.sessions: OrderedDict[tuple[object, ...], DecodeSession] = OrderedDict()
 
     def generate(

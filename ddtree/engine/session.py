@@ -168,7 +168,13 @@ class DecodeSession:
         visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
         scratch = target.new_cache(len(prompts), width)
         out = target.forward(
-            tokens, steps.expand(len(prompts), -1), visible, scratch, width, logit_index=(lengths - 1)[:, None]
+            tokens,
+            steps.expand(len(prompts), -1),
+            visible,
+            scratch,
+            width,
+            logit_index=(lengths - 1)[:, None],
+            fused=False,
         )
         index = _to_device(ids, device)  # [k]
         self.cache.keys[:, index, :, :width] = scratch.keys

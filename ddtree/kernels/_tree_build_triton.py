@@ -71,13 +71,16 @@ def _kth_largest(ukey: tl.tensor, k: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
     remaining = k
     prefix = tl.zeros((), dtype=tl.uint32)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         digit = ((ukey >> shift) & 0xFF).to(tl.int32)  # [n]
         active = None if p == 0 else (ukey >> (shift + 8)) == prefix  # [n] entries of the chosen bucket
         hist = tl.histogram(digit, 256, mask=active)  # [256]
-        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # [256] entries of the bucket with a larger digit
-        best = tl.min(tl.where(above < remaining, bins, 256), 0)
-        remaining = remaining - tl.sum(tl.where(bins == best, above, 0), 0)
+        above = tl.cumsum(hist, 0, reverse=True) - hist  # [256] entries of the bucket with a larger digit
+        # The k-th largest is in the smallest bin with fewer than `remaining` entries above it (that bin has
+        # the most entries above it among those bins): one max finds the bin and its count.
+        pick = tl.max(tl.where(above < remaining, above * 512 + (511 - bins), -1), 0)
+        remaining = remaining - pick // 512
+        best = 511 - pick % 512
         prefix = (prefix << 8) | best.to(tl.uint32)
     return prefix, remaining
 

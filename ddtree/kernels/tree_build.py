@@ -68,9 +68,10 @@ def _kernels() -> ModuleType:
 
 
 def _interpreting() -> bool:
-    import triton
+    """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when first imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-    return bool(triton.knobs.runtime.interpret)
+    return isinstance(_kernels().vocab_partial_kernel, InterpretedFunction)
 
 
 def _pow2(n: int) -> int:

@@ -97,6 +97,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary: nn.Module = Qwen3RotaryEmbedding(config)
+        self._context_kv: Any = self._eager_context_kv  # compiled versions after compile_layers()
+        self._block: Any = self._eager_block
 
     @property
     def depth(self) -> int:
@@ -115,11 +117,8 @@ class DFlashDrafter(nn.Module):
         """
         n = context.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=context.device)[None, :]  # [batch, n]
-        ctx = self.hidden_norm(self.fc(context))
-        cos, sin = self.rotary(ctx, slots)
-        layer: Any
-        for i, layer in enumerate(self.layers):
-            cache.write(i, slots, *layer.self_attn.project_kv(ctx, cos, sin))
+        for i, (k, v) in enumerate(self._context_kv(context, slots)):
+            cache.write(i, slots, k, v)
         cache.lengths += counts
 
     def forward(
@@ -138,13 +137,37 @@ class DFlashDrafter(nn.Module):
         append; slots past a request's length are masked.
         """
         self.append_context(context, context_counts, cache)
+        context_kv = [cache.read(i, key_span) for i in range(len(self.layers))]
+        out: torch.Tensor = self._block(block_embeds, cache.lengths, context_kv)
+        return out
+
+    def compile_layers(self) -> None:
+        """Fuse the context projection and the block's layers with `torch.compile` (inference only; the cache
+        writes stay outside the compiled regions)."""
+        self._context_kv = torch.compile(self._eager_context_kv, dynamic=False)
+        self._block = torch.compile(self._eager_block, dynamic=False)
+
+    def _eager_context_kv(self, context: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, keys and values `[batch, kv_heads, n, head_dim]` of `context` at `slots` `[batch, n]`."""
+        ctx = self.hidden_norm(self.fc(context))
+        cos, sin = self.rotary(ctx, slots)
+        attentions: list[DFlashAttention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
+        return [attn.project_kv(ctx, cos, sin) for attn in attentions]
+
+    def _eager_block(
+        self, block_embeds: torch.Tensor, lengths: torch.Tensor, context_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """The block right after each request's `lengths` committed tokens, attending to the cached context
+        `context_kv` (per layer, `[batch, kv_heads, span, head_dim]`; slots past `lengths` are masked)."""
         batch, block = block_embeds.shape[:2]
-        block_pos = cache.lengths[:, None] + torch.arange(block, device=block_embeds.device)[None, :]  # [batch, block]
+        span = context_kv[0][0].shape[2]
+        device = block_embeds.device
+        block_pos = lengths[:, None] + torch.arange(block, device=device)[None, :]  # [batch, block]
         cos, sin = self.rotary(block_embeds, block_pos)
-        visible = torch.arange(key_span, device=block_embeds.device)[None, :] < cache.lengths[:, None]  # [batch, span]
-        ones = torch.ones((batch, block), dtype=torch.bool, device=block_embeds.device)
+        visible = torch.arange(span, device=device)[None, :] < lengths[:, None]  # [batch, span]
+        ones = torch.ones((batch, block), dtype=torch.bool, device=device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
-        return self._stack(block_embeds, cos, sin, mask, lambda i, attn: cache.read(i, key_span))
+        return self._stack(block_embeds, cos, sin, mask, lambda i, attn: context_kv[i])
 
     def forward_blocks(
         self,

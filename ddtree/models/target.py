@@ -81,12 +81,14 @@ class Target:
         cache: KVCache,
         key_span: int,
         logit_index: torch.Tensor | None = None,
+        fused: bool = True,
     ) -> TargetOutput:
         """Run `tokens` (`[batch, n]`) at `positions` (`[batch, n]`) on top of the cache.
 
         Token i is written to slot `cache.lengths + i` and sees the committed prefix plus the tokens j
         with `visible[b, i, j]` (`[batch, n, n]`). `key_span` is a host-side bound on
-        `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits.
+        `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits. `fused=False`
+        runs the layers eagerly even after `compile_layers` (prefill: one-off shapes not worth compiling).
         """
         n = tokens.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
@@ -95,7 +97,7 @@ class Target:
         cos, sin = self.rotary(x, positions)
         features: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span)
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused)
             if i in self.feature_layers:
                 features[i] = x
         x = self.norm(x)
@@ -125,15 +127,17 @@ class Target:
         mask: torch.Tensor,
         cache: KVCache,
         key_span: int,
+        fused: bool,
     ) -> torch.Tensor:
         attn = layer.self_attn
-        q, k, v = self._qkv(layer, x, cos, sin, self.head_dim)
+        qkv, residual_mlp = (self._qkv, self._residual_mlp) if fused else (_qkv, _residual_mlp)
+        q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
         keys, values = cache.read(index, key_span)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
         )  # [batch, heads, n, head_dim]
-        result: torch.Tensor = self._residual_mlp(layer, x, out)
+        result: torch.Tensor = residual_mlp(layer, x, out)
         return result
 
 

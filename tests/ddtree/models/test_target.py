@@ -19,12 +19,14 @@ def test_our_ar_equals_hf_generate() -> None:
 
 
 def test_compiled_layers_decode_the_same_tokens() -> None:
-    """The regions that `compile_layers` fuses compute what the eager layer computes (inductor on CPU here)."""
+    """The regions that `compile_layers` fuses, in the target and the drafter, compute what the eager layers
+    compute (inductor on CPU here; the GPU checks compare graphed and compiled decoding with eager `ar`)."""
     target, drafter = tiny_pair(3, vocab=24, block_size=5, dtype=torch.float32)
     prompts = random_prompts(3, 3, vocab=24)
     config = GenerationConfig(method="ddtree", budget=8, max_new_tokens=20)
     eager = Engine(target, drafter).generate(prompts, config)
     target.compile_layers()
+    drafter.compile_layers()
     compiled = Engine(target, drafter).generate(prompts, config)
     assert target._qkv is not _qkv, "the compiled region is in use"
     assert [o.token_ids for o in compiled.outputs] == [o.token_ids for o in eager.outputs]

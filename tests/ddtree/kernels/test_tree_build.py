@@ -1,0 +1,145 @@
+"""The fused Triton tree build against the torch reference, on CPU under Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: they run on CPU, in numpy
+pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
+
+from ddtree.kernels import tree_build
+from ddtree.kernels.bench import time_tree_build
+from ddtree.kernels.tree_build import build_tree_fused, fused_supported, triton_available, vocab_topk
+from ddtree.tree import DraftTree, build_tree
+
+if not tree_build._interpreting():  # imported earlier without TRITON_INTERPRET: rebuild the kernels
+    importlib.reload(sys.modules["ddtree.kernels._tree_build_triton"])
+
+FIELDS = ("tokens", "parents", "depths", "num_nodes")
+
+
+def random_logits(batch: int, depth: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((batch, depth, vocab), generator=gen) * scale  # [batch, depth, vocab]
+
+
+def assert_same_tree(fused: DraftTree, ref: DraftTree) -> None:
+    for field in FIELDS:
+        assert torch.equal(getattr(fused, field), getattr(ref, field)), field
+    assert fused.log_probs.dtype == torch.float32
+    torch.testing.assert_close(fused.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def assert_equivalent_tree(fused: DraftTree, ref: DraftTree, logits: torch.Tensor) -> None:
+    """For inputs with ties: the same prefix probabilities, in a valid tree (parents first, distinct prefixes)."""
+    assert torch.equal(fused.num_nodes, ref.num_nodes)
+    torch.testing.assert_close(fused.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
+    token_lp = torch.log_softmax(logits.float(), dim=-1)  # [batch, depth, vocab]
+    for b in range(fused.batch_size):
+        n = int(fused.num_nodes[b])
+        nodes = torch.arange(1, n + 1)
+        par, dep, tok = fused.parents[b, 1 : n + 1], fused.depths[b, 1 : n + 1], fused.tokens[b, 1 : n + 1]
+        assert bool((par < nodes).all()) and torch.equal(dep, fused.depths[b][par] + 1)
+        torch.testing.assert_close(fused.log_probs[b, 1 : n + 1], fused.log_probs[b][par] + token_lp[b, dep - 1, tok])
+        assert len(set(zip(par.tolist(), tok.tolist(), strict=True))) == n
+
+
+def test_triton_available_under_the_interpreter() -> None:
+    assert triton_available()
+
+
+@pytest.mark.parametrize(
+    ("batch", "depth", "vocab", "budget", "topk"),
+    [
+        (2, 4, 300, 16, None),  # topk defaults to the budget
+        (3, 5, 1000, 32, 4),  # topk < budget
+        (2, 3, 200, 8, 1),  # topk 1: a chain
+        (2, 3, 50, 1, None),  # budget 1
+        (2, 3, 5, 200, None),  # budget > the 5 + 25 + 125 possible prefixes
+        (1, 2, 3, 64, 2),  # budget > 2 + 4 possible prefixes
+        (2, 4, 777, 16, 40),  # topk > budget; vocab not a power of two
+        (2, 1, 100, 8, None),  # depth 1
+    ],
+)
+def test_matches_build_tree(batch: int, depth: int, vocab: int, budget: int, topk: int | None) -> None:
+    logits = random_logits(batch, depth, vocab, seed=batch * 1000 + vocab + budget)
+    assert_same_tree(build_tree_fused(logits, budget, topk), build_tree(logits, budget, topk))
+
+
+def test_many_vocab_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks: the split-K logsumexp and top-k merge over 13 chunks, the last one partial."""
+    monkeypatch.setattr(tree_build, "_CHUNK", 64)
+    logits = random_logits(2, 3, 777, seed=5)  # 777 = 12 * 64 + 9
+    assert tree_build._chunk_plan(777, 16) == (64, 13)
+    assert_same_tree(build_tree_fused(logits, 16), build_tree(logits, 16))
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(1000, 1), (1000, 37), (300, 256), (64, 64)])
+def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int) -> None:
+    logits = random_logits(2, 3, vocab, seed=vocab + k)
+    top_lp, top_ids = vocab_topk(logits, k)
+    ref_lp, ref_ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+    assert top_lp.shape == (2, 3, k) and top_lp.dtype == torch.float32 and top_ids.dtype == torch.int64
+    assert torch.equal(top_ids, ref_ids)
+    torch.testing.assert_close(top_lp, ref_lp, rtol=1e-6, atol=1e-6)
+
+
+def test_low_precision_logits_are_read_as_float32() -> None:
+    """bfloat16 and float16 logits without ties (distinct multiples of 1/8) give torch's top-k and tree."""
+    perm = torch.stack([torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(6)])
+    logits = (perm.reshape(2, 3, 256).float() / 8 - 16).to(torch.bfloat16)  # [2, 3, 256]
+    for dtype in (torch.bfloat16, torch.float16):
+        x = logits.to(dtype)
+        top_lp, top_ids = vocab_topk(x, 16)
+        ref_lp, ref_ids = torch.topk(torch.log_softmax(x.float(), dim=-1), 16, dim=-1)
+        assert torch.equal(top_ids, ref_ids)
+        torch.testing.assert_close(top_lp, ref_lp)
+        # Sums of values on a 1/8 grid tie often across depths: compare up to ties.
+        assert_equivalent_tree(build_tree_fused(x, 32), build_tree(x, 32), x)
+
+
+def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree() -> None:
+    logits = torch.zeros((2, 3, 40))  # every token ties
+    logits[1, :, 7] = 1.0
+    _, top_ids = vocab_topk(logits, 5)
+    assert top_ids[0].tolist() == [[0, 1, 2, 3, 4]] * 3
+    assert top_ids[1].tolist() == [[7, 0, 1, 2, 3]] * 3
+    fused = build_tree_fused(logits, 12)
+    assert fused.tokens[0, 1:6].tolist() == [0, 1, 2, 3, 4]  # the depth-1 nodes come first among equals
+    assert_equivalent_tree(fused, build_tree(logits, 12), logits)
+
+
+def test_minus_inf_logits_make_fewer_nodes() -> None:
+    logits = random_logits(2, 3, 20, seed=3)
+    logits[0, :, 2:] = float("-inf")  # request 0 has 2 + 4 + 8 finite prefixes
+    fused, ref = build_tree_fused(logits, 32), build_tree(logits, 32)
+    assert fused.num_nodes.tolist() == [14, 32]
+    assert_same_tree(fused, ref)
+
+
+def test_sizes_past_the_kernel_limits_fall_back_to_build_tree() -> None:
+    assert fused_supported(15, 49152, 256, 256)
+    assert not fused_supported(2, 10, 20000, 10)
+    logits = random_logits(1, 2, 10, seed=4)
+    assert_same_tree(build_tree_fused(logits, 20000), build_tree(logits, 20000))
+
+
+@pytest.mark.parametrize(
+    ("shape", "budget", "topk", "match"),
+    [((2, 50), 4, None, "must be"), ((1, 2, 50), 0, None, "budget"), ((1, 2, 50), 4, 51, "topk")],
+)
+def test_rejects_what_build_tree_rejects(shape: tuple[int, ...], budget: int, topk: int | None, match: str) -> None:
+    logits = torch.zeros(shape)
+    for fn in (build_tree, build_tree_fused):
+        with pytest.raises(ValueError, match=match):
+            fn(logits, budget, topk)
+
+
+def test_time_tree_build_on_cpu_times_the_torch_path_only() -> None:
+    result = time_tree_build("cpu", batch=2, depth=3, vocab=100, budget=8, repeats=2)
+    assert set(result) == {"torch_ms"} and result["torch_ms"] > 0
