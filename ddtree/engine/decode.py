@@ -89,6 +89,7 @@ class Engine:
         first_step = session.steps
         while session.has_active():
             session.step()
+        session.drain()
         outputs = [session.leave(slot) for slot in slots]
         if obs is not NOOP:
             obs.on_generate_end(_results(ids, outputs))

@@ -12,6 +12,7 @@ device-to-host transfer, the accepted tokens, which the caller needs anyway.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from ddtree.engine.graphs import Bag, StepRunner
 from ddtree.engine.proposers import make_proposer
+from ddtree.engine.readback import Readback, to_device, to_host
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
@@ -47,6 +49,16 @@ class RequestOutput:
 
 
 @dataclass
+class _Launch:
+    """A step whose tokens have not been read yet."""
+
+    step: int
+    entries: list[_Slot | None]  # the slots' occupants when it was launched
+    bag: Bag
+    ticket: Any  # from `Readback.start`
+
+
+@dataclass
 class _Slot:
     request: Request
     output: RequestOutput
@@ -67,6 +79,7 @@ class DecodeSession:
         capacity: int,
         observer: StepObserver = NOOP,
         cuda_graphs: bool = False,
+        pipeline_depth: int | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
@@ -102,7 +115,9 @@ class DecodeSession:
             observer,
             cuda_graphs,
         )
-        self._host_out: dict[tuple[int, ...], torch.Tensor] = {}
+        self.pipeline_depth = pipeline_depth or (2 if cuda_graphs and observer is NOOP else 1)
+        self._readback = Readback(target.device, self.pipeline_depth)
+        self._inflight: deque[_Launch] = deque()
 
     @property
     def num_slots(self) -> int:
@@ -160,8 +175,8 @@ class DecodeSession:
         target, device = self.target, self.target.device
         prompts = [r.prompt for r in requests]
         width = max(len(p) for p in prompts)
-        tokens = _to_device([p + [0] * (width - len(p)) for p in prompts], device)  # [k, width]
-        lengths = _to_device([len(p) for p in prompts], device)  # [k]
+        tokens = to_device([p + [0] * (width - len(p)) for p in prompts], device)  # [k, width]
+        lengths = to_device([len(p) for p in prompts], device)  # [k]
         steps = torch.arange(width, device=device)
         real = steps[None, :] < lengths[:, None]  # [k, width]
         causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
@@ -176,7 +191,7 @@ class DecodeSession:
             logit_index=(lengths - 1)[:, None],
             fused=False,
         )
-        index = _to_device(ids, device)  # [k]
+        index = to_device(ids, device)  # [k]
         self.cache.keys[:, index, :, :width] = scratch.keys
         self.cache.values[:, index, :, :width] = scratch.values
         self.cache.lengths[index] = lengths
@@ -186,8 +201,8 @@ class DecodeSession:
             self.draft_cache.keys[:, index, :, :width] = draft_scratch.keys
             self.draft_cache.values[:, index, :, :width] = draft_scratch.values
             self.draft_cache.lengths[index] = lengths
-        self.temperature[index] = _to_device([r.temperature for r in requests], device).float()
-        self.seed[index] = _to_device([r.seed for r in requests], device)
+        self.temperature[index] = to_device([r.temperature for r in requests], device).float()
+        self.seed[index] = to_device([r.seed for r in requests], device)
         self.draw[index] = 0
         first = choose_tokens(
             out.logits,
@@ -199,30 +214,49 @@ class DecodeSession:
         self.draw[index] = 1
         self.root[index] = first
         self.counts[index] = 0
-        return [int(t) for t in _to_host(first)]
+        return [int(t) for t in to_host(first)]
 
     def _refresh_active(self) -> None:
         flags = [s is not None and not s.output.finished for s in self.slots]
-        self.active.copy_(_to_device(flags, self.target.device))
+        self.active.copy_(to_device(flags, self.target.device))
 
     # -- the step -----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[int]:
-        """One decode step for every slot; returns how many tokens each slot's request kept."""
-        obs = self.observer
+        """One decode step for every slot; returns how many tokens each slot's request kept.
+
+        With a pipeline depth of 2 the next step is launched before this one's tokens are read, so the
+        host's work overlaps the device's. Its results are the same: a step's inputs live on the device,
+        and a slot that finished or left while a step was in flight just has that step's tokens ignored.
+        """
+        while len(self._inflight) < self.pipeline_depth:
+            self._launch()
+        return self._finish(self._inflight.popleft())
+
+    def drain(self) -> None:
+        """Finish the steps still in flight (their tokens go to slots that are still decoding, if any)."""
+        while self._inflight:
+            self._finish(self._inflight.popleft())
+
+    def _launch(self) -> None:
         occupied = [s for s in self.slots if s is not None]
         sampled = any(s.request.temperature > 0 and not s.output.finished for s in occupied)
-        span = max((s.length for s in occupied), default=0) + self.proposer.width + self.proposer.block
+        # Each step in flight may commit up to one tree's depth that the host has not read yet.
+        ahead = (1 + len(self._inflight)) * self.proposer.width
+        span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
         if self.cuda_graphs:
             span = min(self.capacity, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
-        obs.on_step_start(self.steps, self.num_slots)
+        self.observer.on_step_start(self.steps, self.num_slots)
         bag = self.runner.run((span, sampled), {"span": span, "sampled": sampled})
-        host = self._read(bag["out"])  # rows: [accepted, path tokens..., bonus]
-        obs.on_accept(bag["result"], [row[0] for row in host])
-        emitted = self._commit(host)
-        obs.on_step_end(self.steps, emitted)
+        self._inflight.append(_Launch(self.steps, list(self.slots), bag, self._readback.start(bag["out"])))
         self.steps += 1
+
+    def _finish(self, launch: _Launch) -> list[int]:
+        host = self._readback.wait(launch.ticket)  # rows: [accepted, path tokens..., bonus]
+        self.observer.on_accept(launch.bag["result"], [row[0] for row in host])
+        emitted = self._commit(host, launch.entries)
+        self.observer.on_step_end(launch.step, emitted)
         return emitted
 
     def _draft(self, bag: Bag) -> None:
@@ -256,22 +290,13 @@ class DecodeSession:
         bag["result"] = result
         bag["out"] = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)
 
-    def _read(self, out: torch.Tensor) -> list[list[int]]:
-        """The one readback per step, into a reused pinned buffer on CUDA."""
-        if out.device.type != "cuda":
-            rows: list[list[int]] = out.tolist()
-            return rows
-        host = self._host_out.get(tuple(out.shape))
-        if host is None:
-            host = self._host_out.setdefault(tuple(out.shape), torch.empty(out.shape, dtype=out.dtype, pin_memory=True))
-        return _to_host(out, host)  # type: ignore[no-any-return]
-
-    def _commit(self, host: list[list[int]]) -> list[int]:
-        """Give each decoding slot its accepted drafts and bonus; return how many tokens each kept."""
+    def _commit(self, host: list[list[int]], launched_with: list[_Slot | None]) -> list[int]:
+        """Give each slot that decoded in this step and still does its accepted drafts and bonus; return how
+        many tokens each slot kept."""
         emitted = [0] * self.num_slots
         finished_now = False
         for i, (entry, row) in enumerate(zip(self.slots, host, strict=True)):
-            if entry is None or entry.output.finished:
+            if entry is None or entry is not launched_with[i] or entry.output.finished:
                 continue
             n = row[0]
             entry.output.acceptance_lengths.append(n + 1)
@@ -287,8 +312,9 @@ class DecodeSession:
 
 def cache_tokens(tokens: int, width: int, block: int) -> int:
     """Cache capacity for a request of `tokens` tokens (prompt and new). The last step may commit up to a
-    tree's depth past the limit, and a finished slot still writes one tree of `width` scratch rows."""
-    return tokens + 2 * width + block
+    tree's depth past the limit, a step in flight one more, and a finished slot still writes one tree of
+    `width` scratch rows."""
+    return tokens + 3 * width + block
 
 
 def _check_request(request: Request, needed: int, capacity: int) -> None:
@@ -316,23 +342,3 @@ def _emit(entry: _Slot, tokens: list[int]) -> None:
             return
     if len(out.token_ids) >= limit:
         out.finished, out.finish_reason = True, "length"
-
-
-def _to_host(t: torch.Tensor, host: torch.Tensor | None = None) -> Any:
-    """A device tensor's values as lists. On CUDA: a non-blocking copy to pinned memory, then a wait on its
-    event (an explicit wait, not an implicit sync, so the loop runs under `set_sync_debug_mode("error")`)."""
-    if t.device.type != "cuda":
-        return t.tolist()
-    if host is None:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    done.record()
-    done.synchronize()
-    return host.numpy().tolist()
-
-
-def _to_device(values: list[Any], device: torch.device) -> torch.Tensor:
-    """Host values to the device without an implicit sync (pinned memory, non-blocking copy)."""
-    host = torch.tensor(values, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)

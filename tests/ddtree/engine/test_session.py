@@ -16,12 +16,16 @@ def _alone(engine: Engine, prompt: list[int], method: str, new: int, temperature
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_requests_joining_between_steps_get_the_tokens_they_get_alone(method: str, temperature: float) -> None:
+@pytest.mark.parametrize("depth", [1, 2])
+def test_requests_joining_between_steps_get_the_tokens_they_get_alone(
+    method: str, temperature: float, depth: int
+) -> None:
+    """Depth 2 launches each step before the last one's tokens are read (as on a GPU): same tokens."""
     target, drafter = tiny_pair(5, vocab=20, block_size=5)
     engine = Engine(target, drafter)
     prompts = random_prompts(8, 5, vocab=20)
     news = [12, 25, 7, 18, 30]
-    session = DecodeSession(target, drafter, method, 8, None, slots=3, capacity=128)
+    session = DecodeSession(target, drafter, method, 8, None, slots=3, capacity=160, pipeline_depth=depth)
     waiting = [Request(p, n, temperature, seed=40 + i) for i, (p, n) in enumerate(zip(prompts, news, strict=True))]
     slot_of: dict[int, int] = {}
     done: dict[int, list[int]] = {}

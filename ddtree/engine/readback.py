@@ -1,0 +1,59 @@
+"""Host <-> device transfers of the decode loop without implicit syncs.
+
+`Readback` carries a step's accepted tokens to the host: a non-blocking copy into one of a few reused pinned
+buffers, then an explicit wait on that copy's event when the tokens are needed. With several buffers the
+copy of step k waits while step k+1 is already queued on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Readback:
+    def __init__(self, device: torch.device, buffers: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffers = buffers
+        self.pinned: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.events: list[Any] = []
+        self.turn = 0
+
+    def start(self, t: torch.Tensor) -> Any:
+        """Begin copying `t` to the host; returns a ticket for `wait`. On CPU the values are read at once."""
+        if not self.cuda:
+            return t.tolist()
+        shape = tuple(t.shape)
+        pool = self.pinned.setdefault(shape, [])
+        if not pool:
+            pool.extend(torch.empty(shape, dtype=t.dtype, pin_memory=True) for _ in range(self.buffers))
+        if not self.events:
+            self.events = [torch.cuda.Event() for _ in range(self.buffers)]  # type: ignore[no-untyped-call]
+        index = self.turn % self.buffers
+        self.turn += 1
+        pool[index].copy_(t, non_blocking=True)
+        self.events[index].record()
+        return pool[index], self.events[index]
+
+    def wait(self, ticket: Any) -> list[list[int]]:
+        """The values of a `start`ed copy (an explicit wait on its event, not an implicit sync)."""
+        if not self.cuda:
+            rows: list[list[int]] = ticket
+            return rows
+        host, event = ticket
+        event.synchronize()
+        values: list[list[int]] = host.numpy().tolist()
+        return values
+
+
+def to_host(t: torch.Tensor) -> Any:
+    """A device tensor's values as lists, read once (pinned copy and an event wait on CUDA)."""
+    reader = Readback(t.device, 1)
+    return reader.wait(reader.start(t))
+
+
+def to_device(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Host values to the device without an implicit sync (pinned memory, non-blocking copy)."""
+    host = torch.tensor(values, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
