@@ -18,7 +18,7 @@ bench() {  # batch, prompts, budgets, extra
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
     --baseline hf --json "$work/bench_b$1.json" "${@:4}"
 }
-if has bench1; then bench 1 8 8,16,32,64; fi
+if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
 if has bench16; then bench 16 64 16,32,64; fi
 if has bench64; then bench 64 64 16,32,64; fi
 if has profile; then $PY examples/profile_step.py "$target" "$work"; fi

@@ -79,7 +79,7 @@ class DrafterProposer:
 
     def append_context(self, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None) -> None:
         assert context is not None and cache is not None, "the target must emit features for the drafter"
-        self.drafter.append_context(context, counts, cache)
+        self.drafter.append_context(context, counts, cache, fused=False)  # prefill only: one-off shapes
 
     def draft(
         self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int

@@ -28,7 +28,7 @@ from ddtree.verify import accept, ancestor_mask
 from telemetry import semconv
 from telemetry.hooks import NOOP, StepObserver
 
-SPAN_BUCKET = 256  # with CUDA graphs, the attended key span is rounded up to a multiple of this
+SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class DecodeSession:
         # Each step in flight may commit up to one tree's depth that the host has not read yet.
         ahead = (1 + len(self._inflight)) * self.proposer.width
         span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
-        if self.cuda_graphs:
+        if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
             span = min(self.capacity, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
         self.observer.on_step_start(self.steps, self.num_slots)
         bag = self.runner.run((span, sampled), {"span": span, "sampled": sampled})

@@ -65,37 +65,50 @@ def _unpack_pos(packed: tl.tensor) -> tl.tensor:
 
 @_jit
 def _kth_largest(ukey: tl.tensor, k: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
-    """Radix select, 8 bits a pass: the k-th largest of `ukey` (uint32 [n], n >= k) and how many entries
-    equal to it belong to the k largest (the others equal to it are ranked below them)."""
-    bins = tl.arange(0, 256)
-    remaining = k
-    prefix = tl.zeros((), dtype=tl.uint32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        digit = ((ukey >> shift) & 0xFF).to(tl.int32)  # [n]
-        active = None if p == 0 else (ukey >> (shift + 8)) == prefix  # [n] entries of the chosen bucket
-        hist = tl.histogram(digit, 256, mask=active)  # [256]
-        above = tl.cumsum(hist, 0, reverse=True) - hist  # [256] entries of the bucket with a larger digit
-        # The k-th largest is in the smallest bin with fewer than `remaining` entries above it (that bin has
-        # the most entries above it among those bins): one max finds the bin and its count.
-        pick = tl.max(tl.where(above < remaining, above * 512 + (511 - bins), -1), 0)
-        remaining = remaining - pick // 512
-        best = 511 - pick % 512
-        prefix = (prefix << 8) | best.to(tl.uint32)
-    return prefix, remaining
+    """Bitwise binary search, top bit first, for the largest t with count(ukey >= t) >= k (ukey: uint32 [n],
+    n >= k). Returns t and that count. It stops once exactly k keys are >= t (then t need not be a key); a
+    count above k means t is the k-th largest key and equal keys straddle the k-th place."""
+    t = tl.zeros((), dtype=tl.uint32)
+    count = tl.full((), ukey.shape[0], tl.int32)
+    bit = tl.full((), 31, tl.int32)
+    while (bit >= 0) & (count != k):
+        cand = t | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
+        c = tl.sum((ukey >= cand).to(tl.int32), 0)
+        t = tl.where(c >= k, cand, t)
+        count = tl.where(c >= k, c, count)
+        bit -= 1
+    return t, count
 
 
 @_jit
 def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.tensor) -> None:
     """Store `packed` of the k largest `ukey` (uint32 [n]; among equal keys the earliest positions) to
     dst[0:k], in position order."""
-    thr, need = _kth_largest(ukey, k)
-    eq = ukey == thr  # [n]
-    sel = (ukey > thr) | eq
-    if need < tl.sum(eq.to(tl.int32), 0):  # a tie straddles the k-th place: keep the earliest `need`
-        sel = (ukey > thr) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    t, count = _kth_largest(ukey, k)
+    sel = ukey >= t  # [n]
+    if count > k:  # keys equal to t straddle the k-th place: keep the earliest of them
+        gt = ukey > t
+        eq = ukey == t
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= k - tl.sum(gt.to(tl.int32), 0)))
     pos = tl.cumsum(sel.to(tl.int32), 0) - 1  # [n] slot in dst
     tl.store(dst_ptr + pos, packed, mask=sel)
+
+
+@_jit
+def _top_sorted(
+    ukey: tl.tensor, pos: tl.tensor, k: tl.tensor, scratch_ptr: tl.tensor, K_PAD: tl.constexpr, BITONIC: tl.constexpr
+) -> tl.tensor:
+    """The k largest of (ukey [n], earlier pos first) as packed keys, sorted descending: int64 [K_PAD], ranks
+    past k are padding. BITONIC: one tl.topk over all n; else a threshold search, a compaction through
+    scratch[0:K_PAD] and a sort of k entries."""
+    packed = _pack(ukey, pos)  # [n]
+    if BITONIC:
+        top = tl.topk(packed, K_PAD)
+    else:
+        _compact_top(ukey, packed, k, scratch_ptr)
+        tl.debug_barrier()
+        top = _sorted_top(scratch_ptr, k, K_PAD)
+    return top
 
 
 @_jit
@@ -116,6 +129,7 @@ def vocab_partial_kernel(
     n_split: tl.tensor,
     CHUNK: tl.constexpr,
     K_PAD: tl.constexpr,
+    LOW_BITS: tl.constexpr,
     ACCURATE: tl.constexpr,
 ) -> None:
     """One program per (row, vocab chunk): chunk max and exp-sum, and the chunk's k largest logits."""
@@ -130,7 +144,8 @@ def vocab_partial_kernel(
     tl.store(part_max_ptr + out, m)
     tl.store(part_sum_ptr + out, s)
     ukey = tl.where(inside, _ordered_key(x), 0)  # [CHUNK]; ids past the vocabulary rank last
-    _compact_top(ukey, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD)
+    # 16-bit logits leave the low 16 (bfloat16) or 13 (float16) bits of ukey constant: search the rest.
+    _compact_top(ukey >> LOW_BITS, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD)
 
 
 @_jit
@@ -147,6 +162,7 @@ def vocab_merge_kernel(
     S_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     ACCURATE: tl.constexpr,
+    BITONIC: tl.constexpr,
 ) -> None:
     """One program per row: logsumexp from the chunk partials, then the top k by (log-prob, -vocab id)."""
     row = tl.program_id(0)
@@ -164,9 +180,7 @@ def vocab_merge_kernel(
     ok = ok & (ids < vocab)
     lp = (_unpack_value(packed) - m) - log_sum  # torch's CUDA log_softmax: (x - max) - log(sum)
     ukey = tl.where(ok, _ordered_key(lp), 0)
-    _compact_top(ukey, _pack(ukey, ids), k, scratch_ptr + row * K_PAD)
-    tl.debug_barrier()
-    top = _sorted_top(scratch_ptr + row * K_PAD, k, K_PAD)  # [K_PAD]
+    top = _top_sorted(ukey, ids, k, scratch_ptr + row * K_PAD, K_PAD, BITONIC)  # [K_PAD]
     r = tl.arange(0, K_PAD)
     tl.store(top_lp_ptr + row * k + r, _unpack_value(top), mask=r < k)
     tl.store(top_ids_ptr + row * k + r, _unpack_pos(top).to(tl.int64), mask=r < k)
@@ -193,6 +207,7 @@ def beam_tree_kernel(
     M_PAD: tl.constexpr,
     B_PAD: tl.constexpr,
     N_PAD: tl.constexpr,
+    BITONIC: tl.constexpr,
 ) -> None:
     """One program per request: the depth-wise beam, then the global top-`budget` and node numbering."""
     b = tl.program_id(0)
@@ -215,9 +230,7 @@ def beam_tree_kernel(
         prev = tl.load(lvl_lp_ptr + lvl + (d - 1) * B_PAD + pi, mask=pair_ok, other=float("-inf"))
         cand = prev + tl.load(top_lp_ptr + row0 + d * k + pj, mask=pair_ok, other=float("-inf"))  # [M_PAD]
         ukey = tl.where(pair_ok, _ordered_key(cand), 0)
-        _compact_top(ukey, _pack(ukey, t), budget, keys)
-        tl.debug_barrier()
-        top = _sorted_top(keys, budget, B_PAD)  # [B_PAD]
+        top = _top_sorted(ukey, t, budget, keys, B_PAD, BITONIC)  # [B_PAD]
         src = _unpack_pos(top)
         j = tl.load(pair_ptr + M_PAD + src, mask=in_beam, other=0)
         slot = lvl + d * B_PAD + r
@@ -231,9 +244,7 @@ def beam_tree_kernel(
     f_ok = ((f // B_PAD) < DEPTH) & ((f % B_PAD) < budget)
     val = tl.load(lvl_lp_ptr + lvl + f, mask=f_ok, other=float("-inf"))  # [N_PAD]
     ukey = tl.where(f_ok, _ordered_key(val), 0)
-    _compact_top(ukey, _pack(ukey, f), budget, keys)
-    tl.debug_barrier()
-    top = _sorted_top(keys, budget, B_PAD)  # [B_PAD] in node order
+    top = _top_sorted(ukey, f, budget, keys, B_PAD, BITONIC)  # [B_PAD] in node order
     lp = _unpack_value(top)
     src = _unpack_pos(top)
     real = in_beam & (lp > float("-inf"))

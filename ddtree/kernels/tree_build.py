@@ -51,6 +51,9 @@ from ddtree.tree import DraftTree, build_tree
 
 MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
 _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
+_BITONIC_MERGE = True  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort
+_BITONIC_BEAM = True  # beam and global selection: likewise
+_LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 
 
 def triton_available() -> bool:
@@ -75,7 +78,8 @@ def _interpreting() -> bool:
 
 
 def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    """The power of two >= n, at least 2 (tl.topk cannot return a single entry)."""
+    return max(2, 1 << max(0, n - 1).bit_length())
 
 
 def _warps(block: int) -> int:
@@ -130,11 +134,13 @@ def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     top_ids = torch.empty((batch, depth, k), dtype=torch.int64, device=device)  # [batch, depth, k]
     kern.vocab_partial_kernel[(rows, n_split)](
         logits, part_key, part_max, part_sum, vocab, k, n_split,
-        CHUNK=chunk, K_PAD=k_pad, ACCURATE=accurate, num_warps=_warps(chunk),
+        CHUNK=chunk, K_PAD=k_pad, LOW_BITS=_LOW_BITS.get(logits.dtype, 0), ACCURATE=accurate,
+        num_warps=_warps(chunk),
     )  # fmt: skip
     kern.vocab_merge_kernel[(rows,)](
         part_key, part_max, part_sum, scratch, top_lp, top_ids, vocab, k, n_split,
-        S_PAD=_pow2(n_split), K_PAD=k_pad, ACCURATE=accurate, num_warps=_warps(_pow2(n_split) * k_pad),
+        S_PAD=_pow2(n_split), K_PAD=k_pad, ACCURATE=accurate, BITONIC=_BITONIC_MERGE,
+        num_warps=_warps(_pow2(n_split) * k_pad),
     )  # fmt: skip
     return top_lp, top_ids
 
@@ -160,7 +166,8 @@ def beam_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Draft
     _kernels().beam_tree_kernel[(batch,)](
         top_lp.contiguous(), top_ids.contiguous(), pairs, lvl_lp, lvl_tok, lvl_par, node_of, keys,
         tokens, parents, depths, log_probs, num_nodes, budget, k,
-        DEPTH=depth, M_PAD=pairs.shape[1], B_PAD=b_pad, N_PAD=n_pad, num_warps=_warps(max(n_pad, pairs.shape[1])),
+        DEPTH=depth, M_PAD=pairs.shape[1], B_PAD=b_pad, N_PAD=n_pad, BITONIC=_BITONIC_BEAM,
+        num_warps=_warps(max(n_pad, pairs.shape[1])),
     )  # fmt: skip
     return DraftTree(tokens=tokens, parents=parents, depths=depths, log_probs=log_probs, num_nodes=num_nodes)
 

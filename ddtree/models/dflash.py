@@ -109,15 +109,17 @@ class DFlashDrafter(nn.Module):
         c = self.config
         return KVCache(len(self.layers), batch, c.num_key_value_heads, c.head_dim, capacity, dtype, device)
 
-    def append_context(self, context: torch.Tensor, counts: torch.Tensor, cache: KVCache) -> None:
+    def append_context(self, context: torch.Tensor, counts: torch.Tensor, cache: KVCache, fused: bool = True) -> None:
         """Write the keys and values of new target features into every layer's cache and commit them.
 
         `context` `[batch, n, features]` sits at slots `cache.lengths + 0..n-1`; the first `counts[b]` rows are
         real and become committed (`counts` `[batch]`); the rest are scratch past the committed prefix.
+        `fused=False` runs eagerly even after `compile_layers` (prefill: one-off shapes).
         """
         n = context.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=context.device)[None, :]  # [batch, n]
-        for i, (k, v) in enumerate(self._context_kv(context, slots)):
+        project = self._context_kv if fused else self._eager_context_kv
+        for i, (k, v) in enumerate(project(context, slots)):
             cache.write(i, slots, k, v)
         cache.lengths += counts
 
