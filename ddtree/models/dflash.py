@@ -54,6 +54,13 @@ class DFlashAttention(nn.Module):
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[batch, n, hidden] -> queries `[batch, heads, n, head_dim]`, normed and rotated."""
+        batch, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, n, -1, self.head_dim)).transpose(1, 2)
+        rotated: torch.Tensor = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        return rotated
+
     def forward(
         self,
         x: torch.Tensor,
@@ -62,15 +69,21 @@ class DFlashAttention(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        batch, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, n, -1, self.head_dim)).transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        q = self.project_q(x, cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        keys = torch.cat([context_kv[0], k], dim=2)
-        values = torch.cat([context_kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        result: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+        result: torch.Tensor = self.o_proj(attend(q, k, v, context_kv, mask))
         return result
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
+    """Block queries over the context's and the block's own keys; `[batch, n, heads * head_dim]`."""
+    keys = torch.cat([context_kv[0], k], dim=2)
+    values = torch.cat([context_kv[1], v], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    batch, _, n, _ = q.shape
+    return out.transpose(1, 2).reshape(batch, n, -1)
 
 
 class DFlashLayer(nn.Module):
@@ -98,7 +111,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary: nn.Module = Qwen3RotaryEmbedding(config)
         self._context_kv: Any = self._eager_context_kv  # compiled versions after compile_layers()
-        self._block: Any = self._eager_block
+        self._block_qkv: Any = _block_qkv
+        self._residual_mlp: Any = _residual_mlp
 
     @property
     def depth(self) -> int:
@@ -140,14 +154,15 @@ class DFlashDrafter(nn.Module):
         """
         self.append_context(context, context_counts, cache)
         context_kv = [cache.read(i, key_span) for i in range(len(self.layers))]
-        out: torch.Tensor = self._block(block_embeds, cache.lengths, context_kv)
-        return out
+        return self._run_block(block_embeds, cache.lengths, context_kv)
 
     def compile_layers(self) -> None:
-        """Fuse the context projection and the block's layers with `torch.compile` (inference only; the cache
-        writes stay outside the compiled regions)."""
+        """Fuse the work around attention with `torch.compile` (inference only): the context projection and,
+        per layer, the block's projections and its output projection and MLP. Attention, whose key span
+        changes as requests grow, and the cache writes stay eager."""
         self._context_kv = torch.compile(self._eager_context_kv, dynamic=False)
-        self._block = torch.compile(self._eager_block, dynamic=False)
+        self._block_qkv = torch.compile(_block_qkv, dynamic=False)
+        self._residual_mlp = torch.compile(_residual_mlp, dynamic=False)
 
     def _eager_context_kv(self, context: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values `[batch, kv_heads, n, head_dim]` of `context` at `slots` `[batch, n]`."""
@@ -156,7 +171,7 @@ class DFlashDrafter(nn.Module):
         attentions: list[DFlashAttention] = [layer.self_attn for layer in self.layers]  # type: ignore[misc]
         return [attn.project_kv(ctx, cos, sin) for attn in attentions]
 
-    def _eager_block(
+    def _run_block(
         self, block_embeds: torch.Tensor, lengths: torch.Tensor, context_kv: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """The block right after each request's `lengths` committed tokens, attending to the cached context
@@ -169,7 +184,13 @@ class DFlashDrafter(nn.Module):
         visible = torch.arange(span, device=device)[None, :] < lengths[:, None]  # [batch, span]
         ones = torch.ones((batch, block), dtype=torch.bool, device=device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
-        return self._stack(block_embeds, cos, sin, mask, lambda i, attn: context_kv[i])
+        x = block_embeds
+        layer: Any
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._block_qkv(layer, x, cos, sin)
+            x = self._residual_mlp(layer, x, attend(q, k, v, context_kv[i], mask))
+        out: torch.Tensor = self.norm(x)
+        return out
 
     def forward_blocks(
         self,
@@ -208,6 +229,23 @@ class DFlashDrafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out: torch.Tensor = self.norm(x)
         return out
+
+
+def _block_qkv(
+    layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's queries, keys and values of the block `x` `[batch, n, hidden]`."""
+    attn: DFlashAttention = layer.self_attn
+    h = layer.input_layernorm(x)
+    k, v = attn.project_kv(h, cos, sin)
+    return attn.project_q(h, cos, sin), k, v
+
+
+def _residual_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a layer: output projection, residual, MLP, residual. `attended` `[batch, n, heads * dim]`."""
+    x = x + layer.self_attn.o_proj(attended)
+    result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    return result
 
 
 def default_feature_layers(num_target_layers: int, count: int) -> list[int]:
