@@ -59,6 +59,9 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
         parser.add_argument(
             "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="replay decode steps (auto: on CUDA)"
         )
+        parser.add_argument(
+            "--tree-kernel", choices=("torch", "triton"), default="torch", help="tree build: torch ops or fused Triton"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--rounds", type=int, default=4, help="off/on rounds for --telemetry-overhead (the order alternates)"
     )
+    bench.add_argument("--tree-build", action="store_true", help="instead: time the tree build alone (torch, triton)")
     bench.set_defaults(func=_bench)
 
     analyze = sub.add_parser("analyze", help="turn DDTREE_DEBUG_METRICS step logs into tables and budget advice")
@@ -186,6 +190,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
+        tree_kernel=_tree_kernel(args.tree_kernel),
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat or (args.model is None and args.prompt is not None),
@@ -216,6 +221,8 @@ def _bench(args: argparse.Namespace) -> int:
     from ddtree.runtime import eos_ids, load_pair, resolve_paths
     from ddtree.train.data import chat_ids
 
+    if args.tree_build:
+        return _tree_build_bench(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHOD_NAMES]
     if bad or not methods:
@@ -231,7 +238,9 @@ def _bench(args: argparse.Namespace) -> int:
         return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    engine = Engine(target, drafter, cuda_graphs=_graphs_mode(args.cuda_graphs, target))
+    engine = Engine(
+        target, drafter, cuda_graphs=_graphs_mode(args.cuda_graphs, target), tree_kernel=_tree_kernel(args.tree_kernel)
+    )
     rows = [hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos)] if args.baseline else []
     rows += run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
@@ -242,6 +251,31 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+    return 0
+
+
+def _tree_kernel(kernel: str) -> str:
+    if kernel == "triton":
+        from ddtree.kernels.tree_build import triton_available
+
+        if not triton_available():
+            raise UserError("--tree-kernel triton needs triton and a CUDA device")
+    return kernel
+
+
+def _tree_build_bench(args: argparse.Namespace) -> int:
+    """`bench --tree-build`: the tree build alone on random logits, torch ops against the fused kernels."""
+    from ddtree.kernels.bench import time_tree_build
+    from ddtree.runtime import resolve_device
+
+    device = str(resolve_device(args.device))
+    print(f"tree build on {device}, depth 15, vocab 49152, random float32 logits; median ms")
+    print(f"{'batch':>6}{'budget':>8}{'torch':>10}{'triton':>10}")
+    for batch in (1, 32):
+        for budget in (32, 256):
+            times = time_tree_build(device, batch, 15, 49152, budget, repeats=20)
+            fused = f"{times['fused_ms']:.3f}" if "fused_ms" in times else "-"
+            print(f"{batch:>6}{budget:>8}{times['torch_ms']:>10.3f}{fused:>10}")
     return 0
 
 

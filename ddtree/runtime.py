@@ -28,6 +28,7 @@ class GenerateRequest:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: str = "auto"
+    tree_kernel: str = "torch"
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
@@ -150,7 +151,13 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     try:
         if request.cuda_graphs == "on" and target.device.type != "cuda":
             raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
-        engine = Engine(target, drafter, observer=telemetry.observer, cuda_graphs=request.cuda_graphs)
+        engine = Engine(
+            target,
+            drafter,
+            observer=telemetry.observer,
+            cuda_graphs=request.cuda_graphs,
+            tree_kernel=request.tree_kernel,
+        )
         result = engine.generate(prompts, config)
     finally:
         telemetry.shutdown()

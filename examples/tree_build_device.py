@@ -14,6 +14,7 @@ own exception, so one failure does not hide the rest.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from ddtree.kernels import tree_build
 from ddtree.kernels.tree_build import beam_tree, build_tree_fused, triton_available, vocab_topk
 from ddtree.tree import DraftTree, build_tree
 
@@ -139,11 +141,47 @@ def time_variant(batch: int, budget: int, dtype: str) -> dict[str, Any]:
     return row
 
 
+def _knob_row(fn: Callable[[], object], **labels: Any) -> dict[str, Any]:
+    import triton.testing
+
+    row: dict[str, Any] = dict(labels)
+    try:
+        row["us"] = round(1000 * float(triton.testing.do_bench(fn, return_mode="median")), 1)
+    except Exception as exc:  # one failing variant must not hide the others
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def time_knobs() -> list[dict[str, Any]]:
+    """Microseconds of the two fused stages under the module's tuning knobs (batch 32, depth 15, vocab 49152)."""
+    rows: list[dict[str, Any]] = []
+    saved = (tree_build._CHUNK, tree_build._BITONIC_MERGE, tree_build._BITONIC_BEAM)
+    try:
+        for dtype in ("float32", "bfloat16"):
+            logits = (torch.randn((32, 15, 49152), device="cuda") * 3).to(getattr(torch, dtype))
+            for chunk, bitonic in ((4096, False), (4096, True), (2048, False), (8192, False)):
+                tree_build._CHUNK, tree_build._BITONIC_MERGE = chunk, bitonic
+                fn = functools.partial(vocab_topk, logits, 256)
+                rows.append(_knob_row(fn, stage="vocab k=256", dtype=dtype, chunk=chunk, bitonic=bitonic))
+            tree_build._CHUNK, tree_build._BITONIC_MERGE = saved[0], saved[1]
+        logits = torch.randn((32, 15, 49152), device="cuda") * 3
+        for budget in (32, 256):
+            top_lp, top_ids = vocab_topk(logits, budget)
+            for bitonic in (False, True):
+                tree_build._BITONIC_BEAM = bitonic
+                fn = functools.partial(beam_tree, top_lp, top_ids, budget)
+                rows.append(_knob_row(fn, stage=f"beam B={budget}", dtype="float32", bitonic=bitonic))
+    finally:
+        tree_build._CHUNK, tree_build._BITONIC_MERGE, tree_build._BITONIC_BEAM = saved
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--trials", type=int, default=10, help="random inputs per shape (default 10)")
     parser.add_argument("--quick", action="store_true", help="first 3 shapes and fewer timings")
+    parser.add_argument("--knobs", action="store_true", help="also time the tuning knobs of ddtree.kernels.tree_build")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not triton_available():
         print("needs a CUDA device and triton")
@@ -172,6 +210,11 @@ def main() -> int:
     for row in results["timing"]:
         cells = " ".join(f"{row.get(c, 'err')!s:>17}" for c in cols)
         print(f"{row['batch']:>5} {row['budget']:>4} {row['dtype']:>8} {cells}")
+    if args.knobs:
+        print("== tuning knobs (batch 32, microseconds, do_bench median)")
+        results["knobs"] = time_knobs()
+        for row in results["knobs"]:
+            print("  " + " ".join(f"{key}={value}" for key, value in row.items()))
     bad = sum(int(r.get("bad", 0)) + ("error" in r) for r in results["exactness"])
     print(f"mismatches (bad trees or errors): {bad}")
     if args.json:

@@ -63,8 +63,10 @@ class Engine:
         drafter: DFlashDrafter | None = None,
         observer: StepObserver = NOOP,
         cuda_graphs: str = "auto",
+        tree_kernel: str = "torch",
     ) -> None:
         self.target = target
+        self.tree_kernel = tree_kernel
         self.drafter = drafter
         self.observer = observer
         self.cuda_graphs = use_cuda_graphs(cuda_graphs, target.device)
@@ -119,6 +121,7 @@ class Engine:
                 capacity,
                 self.observer,
                 self.cuda_graphs,
+                tree_kernel=self.tree_kernel,
             )
             self.sessions[key] = session
         self.sessions.move_to_end(key)

@@ -9,6 +9,7 @@ Proposers hold no per-request state: the session owns the drafter's cache and pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -18,6 +19,8 @@ from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.tree import DraftTree, build_tree, root_only_tree
+
+TREE_KERNELS = ("torch", "triton")
 
 
 class Proposer(Protocol):
@@ -66,7 +69,10 @@ class NoDraft:
 class DrafterProposer:
     """A DFlash drafter and a tree shape: a chain (`dflash`) or the top-`budget` prefixes (`ddtree`)."""
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, topk: int | None) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, target: Target, budget: int, topk: int | None, tree_kernel: str = "torch"
+    ) -> None:
+        self.build_tree = _tree_builder(tree_kernel)
         self.drafter = drafter
         self.target = target
         self.budget = budget
@@ -92,11 +98,29 @@ class DrafterProposer:
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         assert logits is not None
-        return build_tree(logits, self.budget, self.topk)
+        return self.build_tree(logits, self.budget, self.topk)
+
+
+def _tree_builder(kernel: str) -> Callable[[torch.Tensor, int, int | None], DraftTree]:
+    """`torch`: `ddtree.tree.build_tree`; `triton`: the fused kernels, which build the same tree."""
+    if kernel == "torch":
+        return build_tree
+    if kernel == "triton":
+        from ddtree.kernels.tree_build import build_tree_fused, triton_available
+
+        if not triton_available():
+            raise ValueError("the triton tree kernel needs triton and a CUDA device")
+        return build_tree_fused
+    raise ValueError(f"tree kernel must be one of {', '.join(TREE_KERNELS)}, got {kernel!r}")
 
 
 def make_proposer(
-    method: str, target: Target, drafter: DFlashDrafter | None, budget: int, topk: int | None
+    method: str,
+    target: Target,
+    drafter: DFlashDrafter | None,
+    budget: int,
+    topk: int | None,
+    tree_kernel: str = "torch",
 ) -> Proposer:
     facts = get_method(method)
     if not facts.needs_drafter:
@@ -104,4 +128,4 @@ def make_proposer(
     if drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
     tree_budget, tree_topk = facts.tree_shape(budget, topk, drafter.depth)
-    return DrafterProposer(drafter, target, budget=tree_budget, topk=tree_topk)
+    return DrafterProposer(drafter, target, budget=tree_budget, topk=tree_topk, tree_kernel=tree_kernel)

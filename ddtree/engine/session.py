@@ -80,13 +80,14 @@ class DecodeSession:
         observer: StepObserver = NOOP,
         cuda_graphs: bool = False,
         pipeline_depth: int | None = None,
+        tree_kernel: str = "torch",
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
         if cuda_graphs and target.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {target.device}")
         self.target = target
-        self.proposer = make_proposer(method, target, drafter, budget, topk)
+        self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
         self.observer = observer
         self.capacity = capacity
         self.cuda_graphs = cuda_graphs

@@ -64,13 +64,14 @@ def _unpack_pos(packed: tl.tensor) -> tl.tensor:
 
 
 @_jit
-def _kth_largest(ukey: tl.tensor, k: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
-    """Bitwise binary search, top bit first, for the largest t with count(ukey >= t) >= k (ukey: uint32 [n],
-    n >= k). Returns t and that count. It stops once exactly k keys are >= t (then t need not be a key); a
-    count above k means t is the k-th largest key and equal keys straddle the k-th place."""
+def _kth_largest(ukey: tl.tensor, k: tl.tensor, TOP_BIT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Bitwise binary search, from bit TOP_BIT (the highest that can be set) down, for the largest t with
+    count(ukey >= t) >= k (ukey: uint32 [n], n >= k). Returns t and that count. It stops once exactly k keys
+    are >= t (then t need not be a key); a count above k means t is the k-th largest key and equal keys
+    straddle the k-th place. About 20 rounds of count-and-reduce on float32 data."""
     t = tl.zeros((), dtype=tl.uint32)
     count = tl.full((), ukey.shape[0], tl.int32)
-    bit = tl.full((), 31, tl.int32)
+    bit = tl.full((), TOP_BIT, tl.int32)
     while (bit >= 0) & (count != k):
         cand = t | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
         c = tl.sum((ukey >= cand).to(tl.int32), 0)
@@ -81,10 +82,10 @@ def _kth_largest(ukey: tl.tensor, k: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
 
 
 @_jit
-def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.tensor) -> None:
-    """Store `packed` of the k largest `ukey` (uint32 [n]; among equal keys the earliest positions) to
-    dst[0:k], in position order."""
-    t, count = _kth_largest(ukey, k)
+def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.tensor, TOP_BIT: tl.constexpr) -> None:
+    """Store `packed` of the k largest `ukey` (uint32 [n] below 2**(TOP_BIT+1); among equal keys the earliest
+    positions) to dst[0:k], in position order."""
+    t, count = _kth_largest(ukey, k, TOP_BIT)
     sel = ukey >= t  # [n]
     if count > k:  # keys equal to t straddle the k-th place: keep the earliest of them
         gt = ukey > t
@@ -105,7 +106,7 @@ def _top_sorted(
     if BITONIC:
         top = tl.topk(packed, K_PAD)
     else:
-        _compact_top(ukey, packed, k, scratch_ptr)
+        _compact_top(ukey, packed, k, scratch_ptr, 31)
         tl.debug_barrier()
         top = _sorted_top(scratch_ptr, k, K_PAD)
     return top
@@ -145,7 +146,7 @@ def vocab_partial_kernel(
     tl.store(part_sum_ptr + out, s)
     ukey = tl.where(inside, _ordered_key(x), 0)  # [CHUNK]; ids past the vocabulary rank last
     # 16-bit logits leave the low 16 (bfloat16) or 13 (float16) bits of ukey constant: search the rest.
-    _compact_top(ukey >> LOW_BITS, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD)
+    _compact_top(ukey >> LOW_BITS, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD, 31 - LOW_BITS)
 
 
 @_jit

@@ -6,31 +6,34 @@ of a depth all beat them), it runs:
 
 1. `vocab_partial_kernel`, grid (batch * depth, vocab chunks): each program loads its chunk of logits once
    (CHUNK of them, in registers), takes the chunk max and sum of exp(logit - max) (the split-K half of an online
-   logsumexp), and selects the chunk's K largest logits with an exact radix select (four 8-bit histogram passes
-   over order-preserving uint32 keys, then a prefix-sum compaction). The vocabulary is read once.
+   logsumexp), and selects the chunk's K largest logits exactly: a bitwise binary search for the K-th largest
+   order-preserving uint32 key (about 20 count-and-reduce rounds on float32 data: it stops once exactly K keys
+   are above the threshold; 16-bit logits search only their high bits), then a prefix-sum compaction. The
+   vocabulary is read once, and no kernel sorts it.
 2. `vocab_merge_kernel`, grid (batch * depth): merges the partials into logsumexp, turns the candidates into
    log-probs exactly as torch's CUDA log_softmax does, `(logit - max) - log(sum)`, and keeps the top K by
    (log-prob descending, vocab id ascending): top_lp [batch, depth, K] float32, top_ids [batch, depth, K] int64.
 3. `beam_tree_kernel`, grid (batch): the depth-wise beam and the tree. Level d's candidates are level d-1's
    slots i (sorted) plus depth d's tokens j (sorted); (i, j) is beaten by every (i', j') <= (i, j), so only the
-   pairs with (i+1)(j+1) <= budget can be in the top `budget` (about budget * ln(budget) of them: 1.6k instead of
-   65k at budget 256). A radix select keeps the best `budget`, a bitonic sort of those orders the new level.
-   Then the global top `budget` over all levels (same select and sort), node numbering and parent lookup.
+   pairs with (i+1)(j+1) <= budget can be in the top `budget` (about budget * ln(budget) of them: 1.5k instead of
+   65k at budget 256). A threshold search keeps the best `budget`, a bitonic sort of those orders the new level.
+   Then the global top `budget` over all levels (same selection), node numbering and parent lookup.
 
-Every selection orders by (value descending, position ascending), positions being the vocab id, the flat
-candidate index i * k + j of the beam step, and depth-major (depth, slot) of the global step; the last one is
-the stable sort of the reference, so a parent always precedes an equally probable child.
+Steps 2 and 3 select as step 1 does, then sort the survivors (`_BITONIC_MERGE` / `_BITONIC_BEAM` switch them to
+one tl.topk over all candidates instead). Every selection orders by (value descending, position ascending),
+positions being the vocab id, the flat candidate index i * k + j of the beam step, and depth-major (depth, slot)
+of the global step; the last one is the reference's stable sort, so a parent precedes an equally probable child.
 
 Ties. Without ties the tree equals the torch path's exactly (tokens, parents, depths, num_nodes; log_probs
 agree to float32 rounding: the vocab logsumexp is summed in a different order, so its last bit can differ).
 Among equal log-probs the fused path always prefers the smaller vocab id, then the smaller flat beam index,
-then the shallower depth and smaller slot. torch.topk does not promise an order among ties, so on tied inputs
-(bfloat16 logits tie often) the two trees may list equally probable prefixes in a different order or pick a
-different one of several equal prefixes at the `budget` boundary; the fused tree is still a set of `budget`
-most probable prefixes with parents before children. One more case differs from the reference: logits that are
-distinct but round to the same log-prob, straddling the K-th place of a vocabulary chunk (the chunk ranks them
-by logit, the reference by vocab id); that takes two logits within one float32 ulp of the log-prob at the
-boundary. NaN logits are not supported.
+then the shallower depth and smaller slot. torch.topk promises no order among ties (on an H200 it gave ties in
+index order for k >= 100 but not for k <= 32), so on tied inputs (bfloat16 logits tie often) the two trees may
+list equally probable prefixes in another order, or pick another of several equal prefixes at the `budget`
+boundary; the fused tree is still a set of `budget` most probable prefixes, parents before children. One more
+case can differ from the reference: distinct logits that round to the same log-prob, straddling the K-th place
+of one vocabulary chunk (the chunk ranks them by logit, the reference by vocab id), which takes two logits
+within a float32 ulp of the log-prob at that boundary. NaN logits are not supported.
 
 Limits: blocks of at most 16384 entries (budget 1024 at depth 16, budget 256 at depth 64, vocab chunks of up to
 16384); `build_tree_fused` falls back to `build_tree` beyond them and for empty inputs. The pair table of the
@@ -51,8 +54,8 @@ from ddtree.tree import DraftTree, build_tree
 
 MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
 _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
-_BITONIC_MERGE = True  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort
-_BITONIC_BEAM = True  # beam and global selection: likewise
+_BITONIC_MERGE = False  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort (False)
+_BITONIC_BEAM = False  # beam and global selection: likewise
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 
 
@@ -106,11 +109,17 @@ def _pair_table(budget: int, k: int, device: str) -> torch.Tensor:
     return table.to(device)
 
 
+@functools.lru_cache(maxsize=256)
+def _pair_count(budget: int, k: int) -> int:
+    """Rows of `_pair_table(budget, k, ...)` before padding."""
+    return sum(min(k, budget // (i + 1)) for i in range(budget))
+
+
 def fused_supported(depth: int, vocab: int, budget: int, k: int) -> bool:
     """Whether the kernels' blocks fit (else `build_tree_fused` uses `build_tree`); k is the effective topk."""
     k_eff = min(k, budget)
     chunk, n_split = _chunk_plan(vocab, _pow2(k_eff))
-    m_pad = _pow2(sum(min(k_eff, budget // (i + 1)) for i in range(budget)))
+    m_pad = _pow2(_pair_count(budget, k_eff))
     return max(chunk, _pow2(n_split) * _pow2(k_eff), m_pad, _pow2(depth) * _pow2(budget)) <= MAX_BLOCK
 
 

@@ -69,3 +69,11 @@ def test_telemetry_overhead_observes_only_the_on_side(tiny_dirs: tuple[Path, Pat
     # The warm-up batch (2 prompts), then batches of 2 and 1 prompts in each of 2 rounds: 8 requests, once each.
     assert len(requests) == 2 + 2 * 3
     assert all(r["output_tokens"] == 6 for r in requests)
+
+
+def test_bench_tree_build_times_the_torch_path_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--tree-build", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "32"), ("1", "256"), ("32", "32"), ("32", "256")]
+    assert all(float(r[2]) > 0 and r[3] == "-" for r in rows), "torch timed; no fused path without a GPU"

@@ -146,11 +146,27 @@ def test_time_tree_build_on_cpu_times_the_torch_path_only() -> None:
 
 
 @pytest.mark.parametrize(("batch", "depth", "vocab", "budget", "topk"), [(2, 4, 300, 16, None), (2, 3, 4, 100, 3)])
-def test_threshold_search_selection_matches_too(
+def test_bitonic_selection_matches_too(
     monkeypatch: pytest.MonkeyPatch, batch: int, depth: int, vocab: int, budget: int, topk: int | None
 ) -> None:
-    """The non-bitonic selection (threshold search, compaction, sort of k) in the merge and beam kernels."""
-    monkeypatch.setattr(tree_build, "_BITONIC_MERGE", False)
-    monkeypatch.setattr(tree_build, "_BITONIC_BEAM", False)
+    """The other selection of the merge and beam kernels: one tl.topk instead of threshold search + sort."""
+    monkeypatch.setattr(tree_build, "_BITONIC_MERGE", True)
+    monkeypatch.setattr(tree_build, "_BITONIC_BEAM", True)
     logits = random_logits(batch, depth, vocab, seed=11)
     assert_same_tree(build_tree_fused(logits, budget, topk), build_tree(logits, budget, topk))
+
+
+@pytest.mark.parametrize("budget", [3, 16])
+def test_engine_with_the_fused_tree_kernel_equals_ar(budget: int) -> None:
+    """The decode loop with the fused kernels (interpreted here) stays lossless and builds the torch path's trees."""
+    from ddtree.engine.decode import Engine, GenerationConfig
+    from tests.helpers import random_prompts, tiny_pair
+
+    target, drafter = tiny_pair(21, vocab=24, block_size=5, dtype=torch.float32)
+    prompts = random_prompts(21, 3, vocab=24)
+    ar = Engine(target, drafter).generate(prompts, GenerationConfig(method="ar", max_new_tokens=16))
+    config = GenerationConfig(method="ddtree", budget=budget, max_new_tokens=16)
+    fused = Engine(target, drafter, tree_kernel="triton").generate(prompts, config)
+    plain = Engine(target, drafter).generate(prompts, config)
+    assert [o.token_ids for o in fused.outputs] == [o.token_ids for o in ar.outputs]
+    assert [o.acceptance_lengths for o in fused.outputs] == [o.acceptance_lengths for o in plain.outputs]
