@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# On CPU the Triton kernels run in Triton's interpreter. The variable must be set before anything imports
+# triton (torch may, on its own): triton's standard library is decorated for one mode at import time.
+if os.environ.get("DDTREE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
