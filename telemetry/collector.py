@@ -55,7 +55,8 @@ class Collector:
         self.pinned = device_type == "cuda"
         self.info: GenerateInfo | None = None
         self.pending: deque[_Pending] = deque()
-        self.current: _Pending | None = None
+        self.current: _Pending | None = None  # the step started last: stage marks and the tree go to it
+        self.started: dict[int, _Pending] = {}  # steps started and not yet ended (two when pipelined)
         self.open_stage: tuple[str, int] | None = None
         self.boundary: int | None = None  # index of the mark the next stage starts at, if one is due
         self.host_buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -69,6 +70,7 @@ class Collector:
             self._drain()
         self.clock.begin_step()
         self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()])
+        self.started[step] = self.current
         self.boundary = 0
 
     def on_stage_start(self, stage: str) -> None:
@@ -97,18 +99,23 @@ class Collector:
         host.copy_(tree.depths, non_blocking=True)
         self.current.depths = host
 
-    def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
-        assert self.current is not None
-        self.current.accepted = accepted
+    def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
+        self.started[step].accepted = accepted
 
     def on_step_end(self, step: int, emitted: list[int]) -> None:
-        assert self.current is not None
-        self.current.emitted = emitted
-        if self.boundary is None:  # the last stage is still open: the step ends now
-            self.current.marks.append(self.clock.mark())
-        self.pending.append(self.current)
-        self.current = None
-        self.boundary = None
+        record = self.started.pop(step)
+        record.emitted = emitted
+        if record is self.current:
+            if self.boundary is None:  # the last stage is still open: the step ends now
+                record.marks.append(self.clock.mark())
+            self.current = None
+            self.boundary = None
+        if any(emitted):
+            self.pending.append(record)
+        else:  # a step launched ahead while its requests finished: no request decoded in it
+            self.clock.release(record.marks)
+            if record.depths is not None:
+                self.host_buffers[tuple(record.depths.shape)].append(record.depths)
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
         # The engine has read the last step's tokens: only the final mark, recorded after that read with the

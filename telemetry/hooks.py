@@ -53,8 +53,12 @@ class StepObserver(Protocol):
     def on_tree(self, tree: DraftTree) -> None:
         """The tree this step verifies, inside the tree_build stage (device tensors: read them without a sync)."""
 
-    def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
-        """The accept result; `accepted` is the per-request count of accepted drafts, already on the host."""
+    def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
+        """Step `step`'s tokens reached the host; `accepted` is the per-request count of accepted drafts.
+
+        Steps may be pipelined: step k+1 may start and run its stages (the stage hooks and `on_tree` always
+        belong to the step started last) before step k's `on_accept` and `on_step_end`. `result` is then a
+        view of the device buffers that step k+1 may already have overwritten: read `accepted` instead."""
 
     def on_step_end(self, step: int, emitted: list[int]) -> None:
         """The step's tokens reached the host; `emitted` counts the tokens each request kept this step."""
@@ -81,7 +85,7 @@ class NoopObserver:
     def on_tree(self, tree: DraftTree) -> None:
         pass
 
-    def on_accept(self, result: AcceptResult, accepted: list[int]) -> None:
+    def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
         pass
 
     def on_step_end(self, step: int, emitted: list[int]) -> None:

@@ -64,9 +64,11 @@ class Engine:
         observer: StepObserver = NOOP,
         cuda_graphs: str = "auto",
         tree_kernel: str = "torch",
+        pipeline_depth: int | None = None,
     ) -> None:
         self.target = target
         self.tree_kernel = tree_kernel
+        self.pipeline_depth = pipeline_depth  # None: the session's default (2 with CUDA graphs, else 1)
         self.drafter = drafter
         self.observer = observer
         self.cuda_graphs = use_cuda_graphs(cuda_graphs, target.device)
@@ -88,15 +90,15 @@ class Engine:
             ids = request_ids or [uuid.uuid4().hex for _ in prompts]
             obs.on_generate_start(_info(config, ids, prompts, session.width - 1))
         slots = session.join([_request(p, config, i) for i, p in enumerate(prompts)])
-        first_step = session.steps
+        steps = 0  # steps in which some request decoded (one launched ahead at the end does not count)
         while session.has_active():
-            session.step()
-        session.drain()
+            steps += any(session.step())
+        steps += sum(any(emitted) for emitted in session.drain())
         outputs = [session.leave(slot) for slot in slots]
         if obs is not NOOP:
             obs.on_generate_end(_results(ids, outputs))
         seconds = time.perf_counter() - started
-        return GenerationResult(outputs=outputs, steps=session.steps - first_step, seconds=seconds)
+        return GenerationResult(outputs=outputs, steps=steps, seconds=seconds)
 
     def session(self, config: GenerationConfig, slots: int, tokens: int) -> DecodeSession:
         """A free session for `slots` requests of up to `tokens` tokens each (prompt and new tokens)."""
@@ -122,6 +124,7 @@ class Engine:
                 self.observer,
                 self.cuda_graphs,
                 tree_kernel=self.tree_kernel,
+                pipeline_depth=self.pipeline_depth,
             )
             self.sessions[key] = session
         self.sessions.move_to_end(key)

@@ -116,7 +116,7 @@ class DecodeSession:
             observer,
             cuda_graphs,
         )
-        self.pipeline_depth = pipeline_depth or (2 if cuda_graphs and observer is NOOP else 1)
+        self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
 
@@ -235,10 +235,10 @@ class DecodeSession:
             self._launch()
         return self._finish(self._inflight.popleft())
 
-    def drain(self) -> None:
-        """Finish the steps still in flight (their tokens go to slots that are still decoding, if any)."""
-        while self._inflight:
-            self._finish(self._inflight.popleft())
+    def drain(self) -> list[list[int]]:
+        """Finish the steps still in flight (their tokens go to slots that are still decoding, if any);
+        returns what each kept, as `step` does."""
+        return [self._finish(self._inflight.popleft()) for _ in range(len(self._inflight))]
 
     def _launch(self) -> None:
         occupied = [s for s in self.slots if s is not None]
@@ -255,7 +255,7 @@ class DecodeSession:
 
     def _finish(self, launch: _Launch) -> list[int]:
         host = self._readback.wait(launch.ticket)  # rows: [accepted, path tokens..., bonus]
-        self.observer.on_accept(launch.bag["result"], [row[0] for row in host])
+        self.observer.on_accept(launch.step, launch.bag["result"], [row[0] for row in host])
         emitted = self._commit(host, launch.entries)
         self.observer.on_step_end(launch.step, emitted)
         return emitted

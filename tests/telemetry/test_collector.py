@@ -50,12 +50,15 @@ def test_telemetry_makes_no_host_transfers(telemetry_host_reads: list[str]) -> N
     assert telemetry_host_reads == []
 
 
-@pytest.mark.parametrize(("method", "batch"), [("ddtree", 3), ("dflash", 1), ("ar", 2)])
-def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: int) -> None:
+@pytest.mark.parametrize(
+    ("method", "batch", "depth"), [("ddtree", 3, 1), ("dflash", 1, 1), ("ar", 2, 1), ("ddtree", 3, 2)]
+)
+def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: int, depth: int) -> None:
+    """Depth 2: each step is launched before the last one's tokens are read, as on a GPU with graphs."""
     target, drafter = tiny_pair(2, vocab=12, block_size=5)
     captured = captured_telemetry()
     prompts = random_prompts(2, batch, vocab=12)
-    result = Engine(target, drafter, observer=captured.collector).generate(
+    result = Engine(target, drafter, observer=captured.collector, pipeline_depth=depth).generate(
         prompts, GenerationConfig(method=method, budget=16, max_new_tokens=15)
     )
     tokens = sum(len(o.token_ids) for o in result.outputs)
@@ -191,7 +194,7 @@ def test_records_reach_the_sinks_in_groups_and_all_by_the_end(with_verify: bool)
         for stage in stages:
             collector.on_stage_start(stage)
             collector.on_stage_end(stage)
-        collector.on_accept(None, [1])  # type: ignore[arg-type]
+        collector.on_accept(step, None, [1])  # type: ignore[arg-type]
         collector.on_step_end(step, [2])
         seen.append(len(sink.steps))
     assert max(seen) >= group, "records waited for the end of generate"

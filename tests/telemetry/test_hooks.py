@@ -24,7 +24,7 @@ class Recorder:
     def on_tree(self, tree: Any) -> None:
         self.calls.append(("tree", int(tree.width)))
 
-    def on_accept(self, result: Any, accepted: list[int]) -> None:
+    def on_accept(self, step: int, result: Any, accepted: list[int]) -> None:
         self.calls.append(("accept", accepted))
 
     def on_step_end(self, step: int, emitted: list[int]) -> None:
