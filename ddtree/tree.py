@@ -56,6 +56,19 @@ def root_only_tree(batch: int, device: torch.device) -> DraftTree:
     )
 
 
+def tree_shape(draft_logits: torch.Tensor, budget: int, topk: int | None) -> tuple[int, int, int, int]:
+    """Check a tree build's arguments; return (batch, depth, vocab, candidates per depth)."""
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [batch, depth, vocab], got shape {tuple(draft_logits.shape)}")
+    batch, depth, vocab = draft_logits.shape
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    k = min(budget, vocab) if topk is None else topk
+    if not 1 <= k <= vocab:
+        raise ValueError(f"topk must be in 1..{vocab} (the vocabulary size), got {k}")
+    return batch, depth, vocab, k
+
+
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
     """Return the `budget` most probable prefixes of `draft_logits` as a tree.
 
@@ -66,14 +79,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     in the global top-B too, so the depth-wise pruning never drops it. All of it is batched tensor work:
     no Python loop per node and no host sync.
     """
-    if draft_logits.dim() != 3:
-        raise ValueError(f"draft_logits must be [batch, depth, vocab], got shape {tuple(draft_logits.shape)}")
-    batch, depth, vocab = draft_logits.shape
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    k = min(budget, vocab) if topk is None else topk
-    if not 1 <= k <= vocab:
-        raise ValueError(f"topk must be in 1..{vocab} (the vocabulary size), got {k}")
+    batch, depth, vocab, k = tree_shape(draft_logits, budget, topk)
     device = draft_logits.device
 
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)  # [batch, depth, vocab]

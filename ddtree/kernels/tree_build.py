@@ -50,7 +50,7 @@ from types import ModuleType
 
 import torch
 
-from ddtree.tree import DraftTree, build_tree
+from ddtree.tree import DraftTree, build_tree, tree_shape
 
 MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
 _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
@@ -184,14 +184,7 @@ def beam_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Draft
 def build_tree_fused(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
     """`build_tree` on Triton kernels: the same tree for `draft_logits` [batch, depth, vocab] (see the module
     docstring for ties). Needs `triton_available()`; sizes past the kernels' limits use `build_tree`."""
-    if draft_logits.dim() != 3:
-        raise ValueError(f"draft_logits must be [batch, depth, vocab], got shape {tuple(draft_logits.shape)}")
-    batch, depth, vocab = draft_logits.shape
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    k = min(budget, vocab) if topk is None else topk
-    if not 1 <= k <= vocab:
-        raise ValueError(f"topk must be in 1..{vocab} (the vocabulary size), got {k}")
+    batch, depth, vocab, k = tree_shape(draft_logits, budget, topk)
     if not triton_available():
         raise RuntimeError("build_tree_fused needs triton and a CUDA device (or TRITON_INTERPRET=1)")
     k = min(k, budget)  # ranks past `budget` are never chosen
