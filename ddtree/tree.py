@@ -79,7 +79,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     in the global top-B too, so the depth-wise pruning never drops it. All of it is batched tensor work:
     no Python loop per node and no host sync.
     """
-    batch, depth, vocab, k = tree_shape(draft_logits, budget, topk)
+    batch, depth, _, k = tree_shape(draft_logits, budget, topk)
     device = draft_logits.device
 
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)  # [batch, depth, vocab]
