@@ -21,6 +21,7 @@ import torch
 from ddtree.engine.graphs import Bag, StepRunner
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device, to_host
+from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
@@ -97,7 +98,9 @@ class DecodeSession:
         features = len(target.feature_layers) * target.hidden_size
         self.root = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] the next tree's root token
         self.context = (  # [slots, width, features] target features of the last accepted path
-            torch.zeros((slots, width, features), dtype=target.dtype, device=device) if drafter is not None else None
+            torch.zeros((slots, width, features), dtype=target.dtype, device=device)
+            if get_method(method).needs_drafter
+            else None
         )
         self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] real rows of `context`
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots] still decoding
