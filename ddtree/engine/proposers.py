@@ -34,9 +34,16 @@ class Proposer(Protocol):
         """Commit the first `counts[b]` rows of `context` `[batch, n, features]` to the drafter's cache."""
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
+        self,
+        root: torch.Tensor,
+        context: torch.Tensor | None,
+        counts: torch.Tensor,
+        cache: KVCache | None,
+        span: int,
+        fused: bool,
     ) -> torch.Tensor | None:
-        """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`)."""
+        """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`); `fused`: use
+        the drafter's compiled regions (`compile_layers`)."""
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         """The tree to verify."""
@@ -58,7 +65,13 @@ class NoDraft:
         pass
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
+        self,
+        root: torch.Tensor,
+        context: torch.Tensor | None,
+        counts: torch.Tensor,
+        cache: KVCache | None,
+        span: int,
+        fused: bool,
     ) -> torch.Tensor | None:
         return None
 
@@ -88,12 +101,18 @@ class DrafterProposer:
         self.drafter.append_context(context, counts, cache, fused=False)  # prefill only: one-off shapes
 
     def draft(
-        self, root: torch.Tensor, context: torch.Tensor | None, counts: torch.Tensor, cache: KVCache | None, span: int
+        self,
+        root: torch.Tensor,
+        context: torch.Tensor | None,
+        counts: torch.Tensor,
+        cache: KVCache | None,
+        span: int,
+        fused: bool,
     ) -> torch.Tensor | None:
         assert cache is not None and context is not None, "the target must emit features for the drafter"
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root
-        hidden = self.drafter(self.target.embed(block), context, counts, cache, span)
+        hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused)
         return self.target.head(hidden[:, 1:])  # [batch, depth, vocab]
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:

@@ -82,6 +82,7 @@ class DecodeSession:
         cuda_graphs: bool = False,
         pipeline_depth: int | None = None,
         tree_kernel: str = "torch",
+        fused: bool | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
@@ -92,6 +93,7 @@ class DecodeSession:
         self.observer = observer
         self.capacity = capacity
         self.cuda_graphs = cuda_graphs
+        self.fused = cuda_graphs if fused is None else fused  # use the models' compiled regions
         width, device = self.proposer.width, target.device
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = self.proposer.new_cache(slots, capacity)
@@ -264,7 +266,9 @@ class DecodeSession:
         return emitted
 
     def _draft(self, bag: Bag) -> None:
-        bag["logits"] = self.proposer.draft(self.root, self.context, self.counts, self.draft_cache, bag["span"])
+        bag["logits"] = self.proposer.draft(
+            self.root, self.context, self.counts, self.draft_cache, bag["span"], self.fused
+        )
 
     def _build(self, bag: Bag) -> None:
         tree = self.proposer.build(bag["logits"], self.num_slots)
@@ -276,7 +280,7 @@ class DecodeSession:
         tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [slots, nodes]
         tokens[:, 0] = self.root
         positions = self.cache.lengths[:, None] + tree.depths
-        verified = self.target.forward(tokens, positions, bag["ancestors"], self.cache, bag["span"])
+        verified = self.target.forward(tokens, positions, bag["ancestors"], self.cache, bag["span"], fused=self.fused)
         bag["choice"] = choose_tokens(verified.logits, self.temperature, self.seed, self.draw, bag["sampled"])
         bag["features"] = verified.features
 

@@ -144,17 +144,19 @@ class DFlashDrafter(nn.Module):
         context_counts: torch.Tensor,
         cache: KVCache,
         key_span: int,
+        fused: bool = True,
     ) -> torch.Tensor:
         """Append context features to the cache, then run one block. Returns normed hidden states.
 
         `block_embeds` `[batch, block, hidden]` are the target's embeddings of `[bonus, mask, ...]`;
         `context` `[batch, n, features]` are new target features, of which the first `context_counts[b]`
         are real. The block sits right after the context. `key_span` bounds the committed lengths after the
-        append; slots past a request's length are masked.
+        append; slots past a request's length are masked. `fused=False` runs eagerly even after
+        `compile_layers`.
         """
-        self.append_context(context, context_counts, cache)
+        self.append_context(context, context_counts, cache, fused)
         context_kv = [cache.read(i, key_span) for i in range(len(self.layers))]
-        return self._run_block(block_embeds, cache.lengths, context_kv)
+        return self._run_block(block_embeds, cache.lengths, context_kv, fused)
 
     def compile_layers(self) -> None:
         """Fuse the work around attention with `torch.compile` (inference only): the context projection and,
@@ -172,7 +174,11 @@ class DFlashDrafter(nn.Module):
         return [attn.project_kv(ctx, cos, sin) for attn in attentions]
 
     def _run_block(
-        self, block_embeds: torch.Tensor, lengths: torch.Tensor, context_kv: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        block_embeds: torch.Tensor,
+        lengths: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        fused: bool,
     ) -> torch.Tensor:
         """The block right after each request's `lengths` committed tokens, attending to the cached context
         `context_kv` (per layer, `[batch, kv_heads, span, head_dim]`; slots past `lengths` are masked)."""
@@ -185,10 +191,11 @@ class DFlashDrafter(nn.Module):
         ones = torch.ones((batch, block), dtype=torch.bool, device=device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
         x = block_embeds
+        qkv, residual_mlp = (self._block_qkv, self._residual_mlp) if fused else (_block_qkv, _residual_mlp)
         layer: Any
         for i, layer in enumerate(self.layers):
-            q, k, v = self._block_qkv(layer, x, cos, sin)
-            x = self._residual_mlp(layer, x, attend(q, k, v, context_kv[i], mask))
+            q, k, v = qkv(layer, x, cos, sin)
+            x = residual_mlp(layer, x, attend(q, k, v, context_kv[i], mask))
         out: torch.Tensor = self.norm(x)
         return out
 

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import torch
+from torch._dynamo.utils import counters
 
 from ddtree.engine.decode import Engine, GenerationConfig
-from ddtree.models.target import Target, _qkv
+from ddtree.engine.session import DecodeSession, Request
+from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
 from tests.helpers import random_prompts, tiny_pair
 
@@ -23,10 +25,16 @@ def test_compiled_layers_decode_the_same_tokens() -> None:
     compute (inductor on CPU here; the GPU checks compare graphed and compiled decoding with eager `ar`)."""
     target, drafter = tiny_pair(3, vocab=24, block_size=5, dtype=torch.float32)
     prompts = random_prompts(3, 3, vocab=24)
-    config = GenerationConfig(method="ddtree", budget=8, max_new_tokens=20)
-    eager = Engine(target, drafter).generate(prompts, config)
     target.compile_layers()
     drafter.compile_layers()
-    compiled = Engine(target, drafter).generate(prompts, config)
-    assert target._qkv is not _qkv, "the compiled region is in use"
-    assert [o.token_ids for o in compiled.outputs] == [o.token_ids for o in eager.outputs]
+    outputs = {}
+    graphs_before = counters["stats"]["unique_graphs"]
+    for fused in (False, True):
+        session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=128, fused=fused)
+        slots = session.join([Request(p, 20) for p in prompts])
+        while session.has_active():
+            session.step()
+        outputs[fused] = [session.leave(s) for s in slots]
+    assert counters["stats"]["unique_graphs"] > graphs_before, "the fused session ran compiled regions"
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+    assert [o.acceptance_lengths for o in outputs[True]] == [o.acceptance_lengths for o in outputs[False]]
