@@ -1,5 +1,6 @@
-"""Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair, the decode loop with
-telemetry on under `torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
+"""Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair (eager and graphed), seeded
+sampling graphed against eager, the decode loop with telemetry on under
+`torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
 
     python examples/gpu_checks.py TARGET_DIR [DRAFTER_DIR [DEVICE [CHECKS]]]
 
@@ -51,6 +52,12 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
                 print(
                     f"lossless {dtype} {name} {method} B={budget}: {same}/{len(prompts)} prompts identical to eager ar"
                 )
+        hot = GenerationConfig(
+            method="ddtree", budget=32, temperature=0.8, seed=5, max_new_tokens=64, eos_token_ids=eos
+        )
+        pairs = zip(eager.generate(prompts, hot).outputs, engine.generate(prompts, hot).outputs, strict=True)
+        same = sum(a.token_ids == b.token_ids for a, b in pairs)
+        print(f"sampled {dtype} ddtree B=32 T=0.8: graphed equals eager on {same}/{len(prompts)} prompts")
 
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
     if device == "cuda" and "sync" in checks:
