@@ -108,6 +108,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--tree-build", action="store_true", help="instead: time the tree build alone (torch, triton)")
     bench.set_defaults(func=_bench)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the decode session")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", help="target model directory (HF layout); default: the default pair")
+    serve.add_argument("--drafter", help="DFlash drafter directory; default: the default pair's")
+    serve.add_argument("--method", choices=METHOD_NAMES, default="ddtree")
+    serve.add_argument("--budget", type=int, default=32, help="draft tree nodes per step (ddtree)")
+    serve.add_argument("--topk", type=int, default=None, help="candidates per depth (default min(budget, vocab))")
+    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (session slots)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; more get 429")
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + new tokens (default 2048, or the model's limit)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("DDTREE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $DDTREE_API_KEY; /health, /metrics stay open)",
+    )
+    _device_args(serve, graphs=True)
+    serve.set_defaults(func=_serve)
+
     analyze = sub.add_parser("analyze", help="turn DDTREE_DEBUG_METRICS step logs into tables and budget advice")
     analyze.add_argument("log", help="a JSON log file written with DDTREE_DEBUG_METRICS=1")
     analyze.set_defaults(func=_analyze)
@@ -323,6 +344,36 @@ def _overhead(
     off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds, on)
     label = method_label(method, args.budgets[0])
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ddtree.server.model import ServerSettings, check_settings
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    settings = ServerSettings(
+        model=args.model,
+        drafter=args.drafter,
+        method=args.method,
+        budget=args.budget,
+        topk=args.topk,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        device=args.device,
+        dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+        tree_kernel=_tree_kernel(args.tree_kernel),
+    )
+    check_settings(settings)  # before the default pair is pulled or anything loads
+
+    import uvicorn
+
+    from ddtree.server.app import create_app
+
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -95,6 +95,17 @@ PROM_ACCEPTANCE_LENGTH: Final = "ddtree_acceptance_length"
 PROM_TREE_NODES: Final = "ddtree_tree_nodes"
 PROM_STAGE_DURATION_SECONDS: Final = "ddtree_stage_duration_seconds"
 
+# The HTTP server's metrics (`ddtree serve`, prometheus_client on the server's own /metrics): names as
+# scraped.
+PROM_HTTP_REQUESTS_TOTAL: Final = "ddtree_http_requests_total"
+PROM_HTTP_REQUEST_DURATION_SECONDS: Final = "ddtree_http_request_duration_seconds"
+PROM_TIME_TO_FIRST_TOKEN_SECONDS: Final = "ddtree_time_to_first_token_seconds"
+PROM_GENERATED_TOKENS_TOTAL: Final = "ddtree_generated_tokens_total"
+PROM_WAITING_REQUESTS: Final = "ddtree_waiting_requests"
+PROM_RUNNING_REQUESTS: Final = "ddtree_running_requests"
+LABEL_ENDPOINT: Final = "endpoint"
+LABEL_STATUS: Final = "status"
+
 # Histogram buckets.
 ACCEPTANCE_LENGTH_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
 TREE_NODES_BUCKETS: Final = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
@@ -117,6 +128,8 @@ STAGE_DURATION_BUCKETS: Final = (
     1.0,
     2.5,
 )
+HTTP_DURATION_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TIME_TO_FIRST_TOKEN_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # Log events and fields.
 EVENT_STEP: Final = "ddtree.step"

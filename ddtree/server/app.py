@@ -1,0 +1,250 @@
+"""The FastAPI app: OpenAI-compatible completions and chat on the decode thread, plus models, health, metrics.
+
+- `POST /v1/completions`, `POST /v1/chat/completions`: whole, or streamed as server-sent events (see
+  `ddtree.server.responses` for the format and `ddtree.server.schemas` for the fields and defaults).
+- `GET /v1/models`: the one served model. `GET /health`: 200 while the decode thread runs, else 503.
+  `GET /metrics`: Prometheus text (`ddtree.server.metrics`).
+- With an API key, `/v1/*` needs `Authorization: Bearer KEY` (else 401); `/health` and `/metrics` stay open,
+  for probes and scrapers.
+- Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`; a body that does not validate is a
+  400 (not FastAPI's 422); a full queue is a 429 with `Retry-After`; a failed decode step is a 500.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ddtree.engine.session import Request as DecodeRequest
+from ddtree.server.errors import ApiError, api_error_response, validation_error
+from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
+from ddtree.server.metrics import MetricsMiddleware, ServerMetrics
+from ddtree.server.model import ServedModel, ServerSettings, load_model
+from ddtree.server.prompts import chat_prompt, completion_prompt
+from ddtree.server.responses import Reply, ddtree_block, usage_block
+from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling
+from ddtree.server.text import TextStream
+from ddtree.server.worker import DecodeWorker, QueueFull, WorkerStopped
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+RETRY_AFTER_SECONDS = 1
+CLIENT_CLOSED = 499  # the client went away before the response (nginx's status)
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    model: ServedModel
+    worker: DecodeWorker
+    metrics: ServerMetrics
+    created: int
+
+
+def create_app(settings: ServerSettings, model: ServedModel | None = None) -> FastAPI:
+    """The app for `settings`; `model` (already loaded) lets tests build several apps on one pair."""
+    served = model if model is not None else load_model(settings)
+    worker = DecodeWorker(lambda: served.new_session(settings.max_batch_size), settings.max_queue)
+    state = ServerState(settings, served, worker, ServerMetrics(worker.waiting, worker.running), int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ddtree = state
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(_open)
+    app.include_router(_v1)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return cast(ServerState, request.app.state.ddtree)
+
+
+async def _authorize(request: Request) -> None:
+    key = _state(request).settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(
+            401,
+            "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+            "invalid_request_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+_open = APIRouter()
+_v1 = APIRouter(dependencies=[Depends(_authorize)])
+
+
+@_open.get("/health")
+async def health(request: Request) -> JSONResponse:
+    alive = _state(request).worker.alive
+    return JSONResponse({"status": "ok" if alive else "decode loop stopped"}, status_code=200 if alive else 503)
+
+
+@_open.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = _state(request).metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+@_v1.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    card = {
+        "id": state.model.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "ddtree",
+        "max_model_len": state.model.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@_v1.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    prompt = completion_prompt(state.model, body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
+    return await _generate(state, request, body, prompt, max_tokens, chat=False)
+
+
+@_v1.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    state = _state(request)
+    prompt = chat_prompt(state.model, body.messages)
+    asked = body.new_tokens()
+    max_tokens = asked if asked is not None else max(state.model.max_model_len - len(prompt), 1)
+    return await _generate(state, request, body, prompt, max_tokens, chat=True)
+
+
+async def _generate(
+    state: ServerState, request: Request, body: Sampling, prompt: list[int], max_tokens: int, chat: bool
+) -> Response:
+    _check_length(len(prompt), max_tokens, state.model.max_model_len, "messages" if chat else "prompt")
+    generation = _start(state, request.url.path, body, prompt, max_tokens)
+    reply = Reply(
+        id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=state.model.model_id,
+        chat=chat,
+        include_usage=body.include_usage(),
+    )
+    path, streaming = request.url.path, False
+    try:
+        async with abandon_on_disconnect(request.receive, generation):
+            await generation.started()
+            if body.stream:
+                streaming = True
+                return StreamingResponse(_events(state, path, generation, reply), media_type="text/event-stream")
+            text = await generation.text()
+    except GenerationFailed as exc:
+        raise ApiError(500, f"generation failed: {exc}", "server_error") from None
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not streaming:  # the stream closes the generation itself
+            generation.close()
+            _count_tokens(state, path, generation)
+    return JSONResponse(reply.body(text, generation.finish_reason or "length", *_blocks(state, generation)))
+
+
+def _start(state: ServerState, path: str, body: Sampling, prompt: list[int], max_tokens: int) -> Generation:
+    model = state.model
+    temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    request = DecodeRequest(prompt, max_tokens, temperature, seed, model.generation.eos_token_ids)
+    text = TextStream(model.tokenizer, prompt, body.stop_list())
+    generation = Generation(state.worker, request, text, state.metrics.first_token.labels(path).observe)
+    try:
+        generation.submit()
+    except QueueFull:
+        raise ApiError(
+            429,
+            f"the server is busy: {state.settings.max_queue} requests are already waiting; retry later",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from None
+    except WorkerStopped:
+        raise ApiError(503, "the decode loop is not running", "server_error") from None
+    return generation
+
+
+async def _events(state: ServerState, path: str, generation: Generation, reply: Reply) -> AsyncIterator[str]:
+    """The SSE stream. Its end, a failure or a cancelled stream (the client went away) cancels the job."""
+    try:
+        for chunk in reply.opening():
+            yield chunk
+        while (piece := await generation.next_text()) is not None:
+            if piece:
+                yield reply.piece(piece)
+        for chunk in reply.ending(generation.finish_reason or "length", *_blocks(state, generation)):
+            yield chunk
+    except GenerationFailed as exc:
+        failed = ApiError(500, f"generation failed: {exc}", "server_error")
+        yield f"data: {failed.body_json()}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        generation.close()
+        _count_tokens(state, path, generation)
+
+
+def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int], dict[str, Any]]:
+    model = state.model
+    usage = usage_block(generation.prompt_tokens, generation.completion_tokens)
+    ddtree = ddtree_block(model.generation.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths)
+    return usage, ddtree
+
+
+def _count_tokens(state: ServerState, path: str, generation: Generation) -> None:
+    state.metrics.generated.labels(path).inc(generation.completion_tokens)
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, limit: int, param: str) -> None:
+    if prompt_tokens + max_tokens > limit:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the request has {prompt_tokens} prompt tokens "
+            f"and asks for {max_tokens} new tokens ({prompt_tokens + max_tokens} in all)",
+            "invalid_request_error",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    return api_error_response(cast(ApiError, exc))
+
+
+async def _validation_error(_: Request, exc: Exception) -> Response:
+    return api_error_response(validation_error(cast(RequestValidationError, exc)))
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    http = cast(StarletteHTTPException, exc)
+    error = ApiError(http.status_code, str(http.detail), "invalid_request_error", headers=dict(http.headers or {}))
+    return api_error_response(error)

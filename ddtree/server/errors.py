@@ -1,0 +1,54 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body_json(self) -> str:
+        return json.dumps(self.body(), separators=(",", ":"))
+
+
+def api_error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's 422 as OpenAI's 400: one line per problem, the first problem's field as `param`."""
+    problems = []
+    params = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        problems.append(f"{loc[0]}: {message}" if loc and error.get("type") != "json_invalid" else message)
+        params.append(loc[0] if loc and error.get("type") != "json_invalid" else None)
+    return bad_request("; ".join(problems) or "invalid request body", param=params[0] if params else None)

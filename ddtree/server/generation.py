@@ -1,0 +1,124 @@
+"""One request on the handler's side: submit a job to the decode thread and turn its updates into text.
+
+The decode thread posts `Update`s to an asyncio queue of the request's own through
+`loop.call_soon_threadsafe`; the handler awaits them and never blocks the thread. A stop string that
+matches, a client that went away, or a handler that ends for any other reason cancels the job (`close`),
+which frees its slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ddtree.engine.session import Request
+from ddtree.server.text import TextStream
+from ddtree.server.worker import DecodeWorker, Job, Update
+
+CLIENT_GONE = "the client disconnected"
+
+
+class GenerationFailed(Exception):
+    """The decode thread failed this request."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was sent."""
+
+
+class Generation:
+    def __init__(
+        self, worker: DecodeWorker, request: Request, text: TextStream, on_first_token: Callable[[float], None]
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._updates: asyncio.Queue[Update] = asyncio.Queue()
+        self._worker = worker
+        self._text = text
+        self._on_first_token = on_first_token
+        self._started = time.perf_counter()
+        self._pending: Update | None = None
+        self.job = Job(request, self._post)
+        self.acceptance_lengths: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.job.request.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._text.tokens
+
+    def submit(self) -> None:
+        """Queue the job (QueueFull, WorkerStopped)."""
+        self._worker.submit(self.job)
+
+    async def started(self) -> None:
+        """Wait for the first update, the prefill's token (GenerationFailed, ClientGone)."""
+        self._pending = await self._next_update()
+
+    async def next_text(self) -> str | None:
+        """The next piece of text (maybe empty); None once the request has ended."""
+        if self.finish_reason is not None:
+            return None
+        update, self._pending = self._pending or await self._next_update(), None
+        return self._take(update)
+
+    async def text(self) -> str:
+        pieces = []
+        while (piece := await self.next_text()) is not None:
+            pieces.append(piece)
+        return "".join(pieces)
+
+    def abandon(self) -> None:
+        """The client went away: cancel the job and wake whoever waits on it."""
+        self._worker.cancel(self.job)
+        self._updates.put_nowait(Update([], [], error=CLIENT_GONE))
+
+    def close(self) -> None:
+        """Cancel the job unless it is over (idempotent): its slot is freed at the next step boundary."""
+        self._worker.cancel(self.job)
+
+    def _post(self, update: Update) -> None:
+        """On the decode thread: hand the update to the event loop; never waits."""
+        self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
+
+    async def _next_update(self) -> Update:
+        update = await self._updates.get()
+        if update.error == CLIENT_GONE:
+            raise ClientGone(update.error)
+        if update.error is not None:
+            raise GenerationFailed(update.error)
+        return update
+
+    def _take(self, update: Update) -> str:
+        if update.token_ids and self._text.tokens == 0:
+            self._on_first_token(time.perf_counter() - self._started)
+        self.acceptance_lengths += update.acceptance_lengths
+        text = self._text.feed(update.token_ids)
+        if self._text.stopped:
+            self.finish_reason = "stop"
+            self.close()
+        elif update.finish_reason is not None:
+            self.finish_reason = update.finish_reason
+            text += self._text.finish()
+        return text
+
+
+@asynccontextmanager
+async def abandon_on_disconnect(receive: Callable[[], Any], generation: Generation) -> AsyncIterator[None]:
+    """While the handler waits (before any response is sent), a disconnect abandons the generation."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        generation.abandon()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()

@@ -1,0 +1,90 @@
+"""The server's Prometheus metrics, in a registry of each app's own, and the ASGI middleware that counts.
+
+- `ddtree_http_requests_total{endpoint, status}` and `ddtree_http_request_duration_seconds{endpoint}`: every
+  HTTP request, counted when its response ends (a stream: when its last chunk is sent or the client goes);
+  paths other than the server's routes are counted as endpoint `other`.
+- `ddtree_time_to_first_token_seconds{endpoint}`: from the handler's start to the prefill's first token.
+- `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response (`usage`), stop strings
+  and disconnects included up to where the response ended.
+- `ddtree_waiting_requests`, `ddtree_running_requests`: gauges read from the decode thread at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from telemetry import semconv as sc
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OTHER = "other"
+
+
+class ServerMetrics:
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            sc.PROM_HTTP_REQUESTS_TOTAL,
+            "HTTP requests by endpoint and status",
+            [sc.LABEL_ENDPOINT, sc.LABEL_STATUS],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            sc.PROM_HTTP_REQUEST_DURATION_SECONDS,
+            "HTTP request latency, to the end of the response (streams included)",
+            [sc.LABEL_ENDPOINT],
+            buckets=sc.HTTP_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.first_token = Histogram(
+            sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS,
+            "Time from a request's arrival to its first generated token",
+            [sc.LABEL_ENDPOINT],
+            buckets=sc.TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.generated = Counter(
+            sc.PROM_GENERATED_TOKENS_TOTAL, "Completion tokens returned", [sc.LABEL_ENDPOINT], registry=self.registry
+        )
+        Gauge(sc.PROM_WAITING_REQUESTS, "Requests waiting for a slot", registry=self.registry).set_function(waiting)
+        Gauge(sc.PROM_RUNNING_REQUESTS, "Requests in the decode session", registry=self.registry).set_function(running)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.duration.labels(endpoint).observe(seconds)
+
+
+def endpoint_label(path: str) -> str:
+    return path if path in ENDPOINTS else OTHER
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request with the status it was answered with, when its response ends."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # an exception before any response
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.request_done(endpoint_label(str(scope["path"])), status, time.perf_counter() - started)

@@ -1,0 +1,111 @@
+"""The served model: the server's settings, loading the pair, and the facts every response reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.session import DecodeSession
+from ddtree.errors import UserError
+from ddtree.methods import get_method
+from ddtree.runtime import GenerateRequest, check_request, eos_ids, load_pair, resolve_paths
+
+DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str | None = None  # None: the default pair (pulled on first use)
+    drafter: str | None = None
+    method: str = "ddtree"
+    budget: int = 32
+    topk: int | None = None
+    max_batch_size: int = 8  # the session's slots: requests decoded together
+    max_queue: int = 64  # requests waiting for a slot; one more gets 429
+    max_model_len: int | None = None  # prompt + new tokens; None: DEFAULT_MAX_MODEL_LEN capped by the model
+    api_key: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    cuda_graphs: str = "auto"
+    tree_kernel: str = "torch"
+
+
+def check_settings(settings: ServerSettings) -> None:
+    """Check what can be checked before anything loads (UserError, in the words of the flags)."""
+    check_request(_generate_request(settings))
+    for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if settings.max_model_len is not None and settings.max_model_len < 2:
+        raise UserError(f"--max-model-len must be >= 2, got {settings.max_model_len}")
+    if settings.api_key is not None and not settings.api_key.strip():
+        raise UserError("--api-key must not be empty")
+
+
+@dataclass
+class ServedModel:
+    """The loaded pair and what the server needs to know about it."""
+
+    engine: Engine
+    tokenizer: Any
+    model_id: str  # the name /v1/models lists and responses carry
+    generation: GenerationConfig  # method, budget, top-k and end-of-sequence ids of every request
+    max_model_len: int
+    vocab_size: int
+    tree_budget: int  # the budget and top-k the engine verifies (`Method.tree_shape`)
+    tree_topk: int | None
+
+    def new_session(self, slots: int) -> DecodeSession:
+        """A fresh session of `slots` slots for requests of up to `max_model_len` tokens."""
+        self.engine.sessions.clear()  # never hand out a session that a failed step may have left half-updated
+        return self.engine.session(self.generation, slots, self.max_model_len)
+
+
+def load_model(settings: ServerSettings) -> ServedModel:
+    """Check the settings, then load and check the pair (UserError for anything the user can fix)."""
+    check_settings(settings)
+    model, drafter_dir = resolve_paths(settings.model, settings.drafter, settings.method)
+    facts = get_method(settings.method)
+    target, drafter, tokenizer = load_pair(
+        model, drafter_dir if facts.needs_drafter else None, settings.device, settings.dtype
+    )
+    vocab_size = int(target.config.vocab_size)
+    check_request(_generate_request(settings), vocab_size)
+    max_model_len = _max_model_len(settings.max_model_len, target.config)
+    if tokenizer is None:
+        raise UserError(f"serve needs a model directory with a tokenizer; {model} has none")
+    if settings.cuda_graphs == "on" and target.device.type != "cuda":
+        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
+    engine = Engine(target, drafter, cuda_graphs=settings.cuda_graphs, tree_kernel=settings.tree_kernel)
+    budget, topk = facts.tree_shape(settings.budget, settings.topk, drafter.depth if drafter is not None else 0)
+    if facts.needs_drafter and topk is None:
+        topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given
+    generation = GenerationConfig(
+        method=settings.method, budget=settings.budget, topk=settings.topk, eos_token_ids=eos_ids(tokenizer, target)
+    )
+    return ServedModel(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_id=Path(model).name,
+        generation=generation,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        tree_budget=budget,
+        tree_topk=topk,
+    )
+
+
+def _generate_request(settings: ServerSettings) -> GenerateRequest:
+    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk)
+    return GenerateRequest(model=settings.model, drafter=settings.drafter, generation=generation)
+
+
+def _max_model_len(asked: int | None, config: Any) -> int:
+    limit = getattr(config, "max_position_embeddings", None)
+    if asked is None:
+        return min(DEFAULT_MAX_MODEL_LEN, int(limit)) if limit else DEFAULT_MAX_MODEL_LEN
+    if limit and asked > int(limit):
+        raise UserError(f"--max-model-len {asked} exceeds the model's max_position_embeddings ({limit})")
+    return asked
