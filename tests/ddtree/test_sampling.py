@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -15,12 +16,12 @@ PROMPT = [1, 2, 3]
 DRAWS = 4000
 
 
-def target_probs(target: object, prefixes: list[list[int]]) -> np.ndarray:
-    """Exact next-token probabilities `[len(prefixes), vocab]` from the HF model itself."""
+def target_probs(target: object, prefixes: list[list[int]], temperature: float = 1.0) -> np.ndarray:
+    """Exact next-token probabilities at `temperature`, `[len(prefixes), vocab]`, from the HF model itself."""
     model = target.model  # type: ignore[attr-defined]
     with torch.no_grad():
         logits = model(torch.tensor(prefixes)).logits[:, -1].double()
-    return torch.softmax(logits, dim=-1).numpy()
+    return torch.softmax(logits / temperature, dim=-1).numpy()
 
 
 def pooled_chisquare(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -33,29 +34,34 @@ def pooled_chisquare(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
-def test_ddtree_at_temperature_one_samples_the_target_distribution() -> None:
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_ddtree_samples_the_target_distribution_at_its_temperature(temperature: float) -> None:
     target, drafter = tiny_pair(11, vocab=VOCAB, block_size=4)
-    out = Engine(target, drafter).generate(
-        [PROMPT] * DRAWS, GenerationConfig(method="ddtree", budget=12, temperature=1.0, seed=5, max_new_tokens=3)
-    )
+    config = GenerationConfig(method="ddtree", budget=12, temperature=temperature, seed=5, max_new_tokens=3)
+    out = Engine(target, drafter).generate([PROMPT] * DRAWS, config)
     seqs = np.array([o.token_ids for o in out.outputs])  # [draws, 3]
     accepted = sum(a - 1 for o in out.outputs for a in o.acceptance_lengths)
     assert accepted > DRAWS // 4, "drafts must be accepted for the test to mean anything"
 
-    p1 = target_probs(target, [PROMPT])[0]  # [vocab]
-    p2_given_1 = target_probs(target, [[*PROMPT, a] for a in range(VOCAB)])  # [vocab, vocab]
-    joint12 = p1[:, None] * p2_given_1
-    pairs = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    p3_given_12 = target_probs(target, pairs).reshape(VOCAB, VOCAB, VOCAB)
-    p3 = (joint12[:, :, None] * p3_given_12).sum(axis=(0, 1))
+    def joint(t: float) -> tuple[np.ndarray, np.ndarray]:
+        """P(token 1, token 2) `[vocab, vocab]` and P(token 3) `[vocab]` at temperature t."""
+        p1 = target_probs(target, [PROMPT], t)[0]
+        p2_given_1 = target_probs(target, [[*PROMPT, a] for a in range(VOCAB)], t)
+        joint12 = p1[:, None] * p2_given_1
+        pairs = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
+        p3_given_12 = target_probs(target, pairs, t).reshape(VOCAB, VOCAB, VOCAB)
+        return joint12, (joint12[:, :, None] * p3_given_12).sum(axis=(0, 1))
 
+    joint12, p3 = joint(temperature)
     count12 = np.zeros((VOCAB, VOCAB))
     np.add.at(count12, (seqs[:, 0], seqs[:, 1]), 1)
     count3 = np.bincount(seqs[:, 2], minlength=VOCAB)
     assert pooled_chisquare(count12.ravel(), joint12.ravel()) > 1e-3
     assert pooled_chisquare(count3, p3) > 1e-3
-    # The same test has power: the draws are not the greedy-only or the uniform distribution.
+    # The same test has power: the draws are neither uniform nor those of a temperature applied twice or never.
     assert pooled_chisquare(count3, np.full(VOCAB, 1 / VOCAB)) < 1e-3
+    for wrong in {temperature * temperature, 1.0} - {temperature}:
+        assert pooled_chisquare(count12.ravel(), joint(wrong)[0].ravel()) < 1e-3, wrong
 
 
 def test_sampling_is_seeded() -> None:
