@@ -120,3 +120,14 @@ def test_drafter_with_another_vocabulary(
     (other / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes())
     code, _, err = run([*gen_args(target, other), "--prompt", "x"], capsys)
     assert code == 2 and "vocabulary 300 does not match the target's 258" in err
+
+
+def test_cuda_graphs_on_without_a_gpu_is_a_clear_error(
+    tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, drafter = tiny_dirs
+    pair = ["--model", str(target), "--drafter", str(drafter), "--device", "cpu", "--cuda-graphs", "on"]
+    assert main(["generate", *pair, "--prompt", "hi"]) == 2
+    assert main(["bench", *pair, "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ddtree: error: --cuda-graphs on needs a CUDA device") == 2
