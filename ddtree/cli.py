@@ -126,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("DDTREE_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 (default: $DDTREE_API_KEY; /health, /metrics stay open)",
     )
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get on SIGTERM (default 30)"
+    )
     _device_args(serve, graphs=True)
     serve.set_defaults(func=_serve)
 
@@ -362,6 +366,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
@@ -369,11 +375,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
 
-    import uvicorn
+    from ddtree.server.run import serve
 
-    from ddtree.server.app import create_app
-
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    serve(settings, args.host, args.port)  # returns once a signal's graceful shutdown is done
     return 0
 
 

@@ -8,6 +8,14 @@
   for probes and scrapers.
 - Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`; a body that does not validate is a
   400 (not FastAPI's 422); a full queue is a 429 with `Retry-After`; a failed decode step is a 500.
+- `model`: the server serves one model, the id `/v1/models` lists. A request may name it or leave `model`
+  out (or null); any other name is a 404 with code `model_not_found`, as OpenAI answers, before any work.
+- A body over `max_body_bytes` (by `Content-Length`, or as read) is a 413, code `request_too_large`
+  (`ddtree.server.gate`).
+- Shutdown (SIGTERM or SIGINT under `ddtree.server.run`): `draining` turns true, so new `/v1/*` requests get
+  503 (code `server_shutting_down`) and `/health` 503; uvicorn stops listening and gives the requests in
+  flight up to `shutdown_timeout` seconds to finish (then cancels them); the lifespan's end stops the
+  decode thread.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.engine.session import Request as DecodeRequest
 from ddtree.server.errors import ApiError, api_error_response, validation_error
+from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
 from ddtree.server.metrics import MetricsMiddleware, ServerMetrics
 from ddtree.server.model import ServedModel, ServerSettings, load_model
@@ -49,6 +58,7 @@ class ServerState:
     worker: DecodeWorker
     metrics: ServerMetrics
     created: int
+    draining: bool = False  # shutting down: no new requests
 
 
 def create_app(settings: ServerSettings, model: ServedModel | None = None) -> FastAPI:
@@ -63,11 +73,12 @@ def create_app(settings: ServerSettings, model: ServedModel | None = None) -> Fa
         try:
             yield
         finally:
-            worker.stop()
+            worker.stop(settings.shutdown_timeout)
 
     app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ddtree = state
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestGate, max_body_bytes=settings.max_body_bytes, draining=lambda: state.draining)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts the gate's refusals too
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -101,7 +112,10 @@ _v1 = APIRouter(dependencies=[Depends(_authorize)])
 
 @_open.get("/health")
 async def health(request: Request) -> JSONResponse:
-    alive = _state(request).worker.alive
+    state = _state(request)
+    if state.draining:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+    alive = state.worker.alive
     return JSONResponse({"status": "ok" if alive else "decode loop stopped"}, status_code=200 if alive else 503)
 
 
@@ -127,6 +141,7 @@ async def models(request: Request) -> dict[str, Any]:
 @_v1.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
+    _check_model(state, body.model)
     prompt = completion_prompt(state.model, body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
     return await _generate(state, request, body, prompt, max_tokens, chat=False)
@@ -135,6 +150,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @_v1.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = _state(request)
+    _check_model(state, body.model)
     prompt = chat_prompt(state.model, body.messages)
     asked = body.new_tokens()
     max_tokens = asked if asked is not None else max(state.model.max_model_len - len(prompt), 1)
@@ -222,6 +238,17 @@ def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int],
 
 def _count_tokens(state: ServerState, path: str, generation: Generation) -> None:
     state.metrics.generated.labels(path).inc(generation.completion_tokens)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model.model_id:
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{state.model.model_id}' (see /v1/models)",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _check_length(prompt_tokens: int, max_tokens: int, limit: int, param: str) -> None:

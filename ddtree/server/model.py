@@ -26,6 +26,8 @@ class ServerSettings:
     max_queue: int = 64  # requests waiting for a slot; one more gets 429
     max_model_len: int | None = None  # prompt + new tokens; None: DEFAULT_MAX_MODEL_LEN capped by the model
     api_key: str | None = None
+    max_body_bytes: int = 1 << 20  # a request body over this is refused with 413
+    shutdown_timeout: float = 30.0  # seconds requests in flight get to finish once shutdown starts
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: str = "auto"
@@ -40,6 +42,10 @@ def check_settings(settings: ServerSettings) -> None:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if settings.max_model_len is not None and settings.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {settings.max_model_len}")
+    if settings.max_body_bytes < 1:
+        raise UserError(f"--max-body-bytes must be >= 1, got {settings.max_body_bytes}")
+    if not settings.shutdown_timeout >= 0:
+        raise UserError(f"--shutdown-timeout must be >= 0, got {settings.shutdown_timeout}")
     if settings.api_key is not None and not settings.api_key.strip():
         raise UserError("--api-key must not be empty")
 

@@ -8,7 +8,8 @@ Defaults, and what is not OpenAI's:
 - `seed`: a random one when absent. With a seed, a request's sampled tokens depend only on its prompt,
   settings and seed, never on the other requests in the batch.
 - `stop`: a string or a list of non-empty strings, matched on the text across token boundaries.
-- `n`: only 1. `model` is not checked: the server serves one model, and responses name it.
+- `n`: only 1. `model`: the served model's id (what `/v1/models` lists) or absent; another name is a 404
+  (`model_not_found`). Responses name the served model.
 - `prompt`: a string or a list of token ids (or a list holding one of these); one prompt per request.
 - Accepted and ignored: `top_p`, `presence_penalty`, `frequency_penalty`, `logprobs`, `user`, and any other
   field.

@@ -17,6 +17,8 @@ from ddtree.cli import main
         (["--max-model-len", "1"], "--max-model-len must be >= 2"),
         (["--budget", "0"], "--budget must be >= 1"),
         (["--api-key", " "], "--api-key must not be empty"),
+        (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1, got 0"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     ],
 )
 def test_bad_serve_flags_exit_2_with_one_line(
