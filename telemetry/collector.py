@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +40,7 @@ class _Pending:
     depths: torch.Tensor | None = None  # [batch, nodes] host copy of the tree's depths, filled asynchronously
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
+    slot_ids: list[str | None] = field(default_factory=list)  # each slot's request when the step started
 
 
 DRAIN_EVERY = 8  # records are resolved in groups: the same code run eight times in a row, with warm caches
@@ -53,7 +54,9 @@ class Collector:
         self.sinks = sinks
         self.clock: StageClock = clock_for(device_type)
         self.pinned = device_type == "cuda"
-        self.info: GenerateInfo | None = None
+        self.info: GenerateInfo | None = None  # the latest requests' settings (one session: one method)
+        self.infos: dict[str, GenerateInfo] = {}  # request id -> the info it joined with
+        self.slot_ids: list[str | None] = []  # slot -> its request, while it is in the session
         self.pending: deque[_Pending] = deque()
         self.current: _Pending | None = None  # the step started last: stage marks and the tree go to it
         self.started: dict[int, _Pending] = {}  # steps started and not yet ended (two when pipelined)
@@ -63,13 +66,20 @@ class Collector:
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
+        slots = info.slots if info.slots is not None else list(range(len(info.request_ids)))
+        for rid, slot in zip(info.request_ids, slots, strict=True):
+            self.infos[rid] = info
+            self.slot_ids.extend([None] * (slot + 1 - len(self.slot_ids)))
+            self.slot_ids[slot] = rid
         call_sinks(self.sinks, "start_requests", info)
 
     def on_step_start(self, step: int, batch_size: int) -> None:
         if len(self.pending) >= MAX_PENDING:
             self._drain()
         self.clock.begin_step()
-        self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()])
+        self.current = _Pending(
+            step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()], slot_ids=self._slots(batch_size)
+        )
         self.started[step] = self.current
         self.boundary = 0
 
@@ -118,12 +128,23 @@ class Collector:
                 self.host_buffers[tuple(record.depths.shape)].append(record.depths)
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
-        # The engine has read the last step's tokens: only the final mark, recorded after that read with the
-        # device idle, can still be pending, so this waits microseconds at most.
+        """Requests leave. Their steps have all been read by the engine, so the wait for the marks still pending
+        takes microseconds at most; then each group of requests that joined together ends with its info."""
         self._drain(wait=True)
-        assert self.info is not None
-        call_sinks(self.sinks, "end_requests", self.info, results)
-        self.info = None
+        groups: dict[int, tuple[GenerateInfo, list[RequestResult]]] = {}
+        for result in results:
+            info = self.infos.pop(result.request_id)
+            groups.setdefault(id(info), (info, []))[1].append(result)
+            self.slot_ids = [None if rid == result.request_id else rid for rid in self.slot_ids]
+        for info, group in groups.values():
+            call_sinks(self.sinks, "end_requests", _only(info, [r.request_id for r in group]), group)
+        if not self.infos:
+            self.info = None
+
+    def _slots(self, batch_size: int) -> list[str | None]:
+        """Each slot's request now, `batch_size` slots."""
+        ids = self.slot_ids[:batch_size]
+        return ids + [None] * (batch_size - len(ids))
 
     def _drain(self, wait: bool = False) -> None:
         while self.pending and (wait or self.clock.ready(self.pending[0].marks)):
@@ -152,4 +173,19 @@ class Collector:
             stage_ns={s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()},
             start_ns=wall[0],
             end_ns=wall[-1],
+            slot_ids=record.slot_ids,
         )
+
+
+def _only(info: GenerateInfo, request_ids: list[str]) -> GenerateInfo:
+    """`info` narrowed to `request_ids` (all of them when they are its own, in order)."""
+    if request_ids == info.request_ids:
+        return info
+    keep = [info.request_ids.index(rid) for rid in request_ids]
+    return replace(
+        info,
+        request_ids=request_ids,
+        prompt_tokens=[info.prompt_tokens[i] for i in keep],
+        slots=None if info.slots is None else [info.slots[i] for i in keep],
+        trace_parents=None if info.trace_parents is None else [info.trace_parents[i] for i in keep],
+    )

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GenerateInfo:
-    """What a `generate` call decodes: one entry per request in the lists."""
+    """Requests that join a decode session: one entry per request in the lists. `Engine.generate` sends one
+    for its whole batch; a server sends one as requests join (with their slots) while others decode."""
 
     method: str
     budget: int
@@ -26,6 +27,8 @@ class GenerateInfo:
     seed: int
     request_ids: list[str]
     prompt_tokens: list[list[int]]
+    slots: list[int] | None = None  # the session slot of each request; None: slots 0..n-1 (a whole batch)
+    trace_parents: list[str | None] | None = None  # per request: a W3C `traceparent` to parent its span
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class LogSink:
         fields: dict[str, Any] = {
             sc.FIELD_STEP: stats.step,
             sc.FIELD_METHOD: stats.info.method,
-            sc.FIELD_BATCH_SIZE: len(stats.info.request_ids),
+            sc.FIELD_BATCH_SIZE: stats.batch_size,
             sc.FIELD_BUDGET: stats.info.budget,
             sc.FIELD_TOPK: stats.info.topk,
             sc.FIELD_TREE_NODES: stats.tree_nodes,

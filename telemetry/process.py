@@ -8,7 +8,7 @@ interpreter lock.
 
 It starts as `python -m telemetry.process FD` with one end of a socket pair; messages are pickled tuples:
 ("config", TelemetryConfig, device_type, model_name) first, then ("start", info, texts), ("steps", [step
-records]), ("end", results, texts), and ("close",), answered once every sink has what came before and
+records]), ("end", info, results, texts), and ("close",), answered once every sink has what came before and
 has closed.
 The child answers ("ready", prometheus_port) or ("error", message) to the config. Nothing else waits for
 an answer, so the sinks see a step shortly after it ends, not before `generate` returns.
@@ -81,7 +81,9 @@ class ExporterProcess:
 
     def step(self, stats: StepStats) -> None:
         s = stats
-        self.steps.append((s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns, s.end_ns))
+        self.steps.append(
+            (s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns, s.end_ns, s.slot_ids)
+        )
         if len(self.steps) >= SEND_EVERY_STEPS or time.monotonic() - self.sent_at >= SEND_EVERY_S:
             self._send_steps()
 
@@ -100,7 +102,7 @@ class ExporterProcess:
     def end_requests(self, info: GenerateInfo, results: list[RequestResult]) -> None:
         texts = {tuple(r.output_tokens): self.detokenize(r.output_tokens) for r in results} if self.detokenize else {}
         self._send_steps()
-        self._send(("end", results, texts))
+        self._send(("end", info, results, texts))
 
     def close(self) -> None:
         with contextlib.suppress(ExporterGone):
@@ -167,9 +169,10 @@ def serve(conn: Connection) -> None:
                 for step in message[1]:
                     call_sinks(sinks, "step", StepStats(step[0], info, *step[1:]))
             elif kind == "end":
-                texts.update(message[2])
-                call_sinks(sinks, "end_requests", info, message[1])
-                texts.clear()
+                texts.update(message[3])
+                call_sinks(sinks, "end_requests", message[1], message[2])
+                for ids in [*message[1].prompt_tokens, *(r.output_tokens for r in message[2])]:
+                    texts.pop(tuple(ids), None)  # other requests may still be decoding
             elif kind == "close":
                 break
     except BrokenPipeError:

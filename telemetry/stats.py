@@ -29,6 +29,8 @@ class StepStats:
     stage_ns: dict[str, tuple[int, int]]  # stage -> (start, end), wall-clock ns
     start_ns: int
     end_ns: int
+    slot_ids: list[str | None] | None = None  # per slot: its request when the step started (None: free);
+    # None: the slots are the requests of `info`, in order
 
     @cached_property
     def tree_nodes(self) -> list[int]:
@@ -56,7 +58,16 @@ class StepStats:
 
     @property
     def request_ids(self) -> list[str]:
-        return [rid for rid, a in zip(self.info.request_ids, self.active, strict=True) if a]
+        """The requests that decoded in this step."""
+        ids = self.slot_ids if self.slot_ids is not None else self.info.request_ids
+        return [rid for rid, a in zip(ids, self.active, strict=True) if a and rid is not None]
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the session when the step started, finished ones that had not left included."""
+        if self.slot_ids is None:
+            return len(self.info.request_ids)
+        return sum(rid is not None for rid in self.slot_ids)
 
     @property
     def tree_depth(self) -> int:

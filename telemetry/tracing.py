@@ -11,11 +11,14 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, format_trace_id
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ddtree.methods import mean_acceptance_length
 from telemetry import semconv as sc
 from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.stats import StepStats
+
+_PROPAGATOR = TraceContextTextMapPropagator()  # W3C trace context: a client's `traceparent` header
 
 
 class TraceSink:
@@ -28,7 +31,8 @@ class TraceSink:
         self.last_trace_id: str | None = None
 
     def start_requests(self, info: GenerateInfo) -> None:
-        for rid, prompt in zip(info.request_ids, info.prompt_tokens, strict=True):
+        parents = info.trace_parents or [None] * len(info.request_ids)
+        for rid, prompt, parent in zip(info.request_ids, info.prompt_tokens, parents, strict=True):
             attributes: dict[str, Any] = {
                 sc.GEN_AI_OPERATION_NAME: sc.GEN_AI_OPERATION_TEXT_COMPLETION,
                 sc.GEN_AI_SYSTEM: sc.GEN_AI_SYSTEM_DDTREE,
@@ -42,11 +46,12 @@ class TraceSink:
             }
             if self.log_content and self.detokenize is not None:
                 attributes[sc.GEN_AI_PROMPT] = self.detokenize(prompt)
-            self.requests[rid] = self.tracer.start_span(sc.SPAN_REQUEST, attributes=attributes)
+            context = _PROPAGATOR.extract({"traceparent": parent}) if parent else None
+            self.requests[rid] = self.tracer.start_span(sc.SPAN_REQUEST, context=context, attributes=attributes)
 
     def step(self, stats: StepStats) -> None:
-        spans = [self.requests[r] for r in stats.info.request_ids if r in self.requests]
-        alone = len(stats.info.request_ids) == 1 and spans
+        spans = [self.requests[r] for r in stats.request_ids if r in self.requests]
+        alone = stats.batch_size == 1 and len(spans) == 1
         context = trace.set_span_in_context(spans[0]) if alone else None
         links = None if alone else [Link(s.get_span_context()) for s in spans]
         lengths = [n + 1 for n in stats.accepted]
@@ -58,7 +63,7 @@ class TraceSink:
             attributes={
                 sc.ATTR_STEP_INDEX: stats.step,
                 sc.ATTR_METHOD: stats.info.method,
-                sc.ATTR_BATCH_SIZE: len(stats.info.request_ids),
+                sc.ATTR_BATCH_SIZE: stats.batch_size,
                 sc.ATTR_BUDGET: stats.info.budget,
                 sc.ATTR_TOPK: stats.info.topk if stats.info.topk is not None else -1,
                 sc.ATTR_TREE_NODES: sum(stats.tree_nodes),

@@ -8,7 +8,6 @@ calls at one batch size pay for capture once.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from ddtree.engine.session import DecodeSession, Request, RequestOutput, cache_t
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
-from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
+from telemetry.hooks import NOOP, StepObserver
 
 CAPACITY_BUCKET = 256  # session capacities are rounded up to this, so nearby lengths share a session
 KEPT_SESSIONS = 4  # sessions kept for reuse, least recently used dropped first
@@ -85,18 +84,13 @@ class Engine:
             raise ValueError("every prompt needs at least one token")
         started = time.perf_counter()
         session = self.session(config, len(prompts), max(len(p) for p in prompts) + config.max_new_tokens)
-        obs = self.observer
-        if obs is not NOOP:
-            ids = request_ids or [uuid.uuid4().hex for _ in prompts]
-            obs.on_generate_start(_info(config, ids, prompts, session.width - 1))
-        slots = session.join([_request(p, config, i) for i, p in enumerate(prompts)])
+        ids = request_ids or [""] * len(prompts)
+        slots = session.join([_request(p, config, i, rid) for i, (p, rid) in enumerate(zip(prompts, ids, strict=True))])
         steps = 0  # steps in which some request decoded (one launched ahead at the end does not count)
         while session.has_active():
             steps += any(session.step())
         steps += sum(any(emitted) for emitted in session.drain())
         outputs = [session.leave(slot) for slot in slots]
-        if obs is not NOOP:
-            obs.on_generate_end(_results(ids, outputs))
         seconds = time.perf_counter() - started
         return GenerationResult(outputs=outputs, steps=steps, seconds=seconds)
 
@@ -131,30 +125,7 @@ class Engine:
         return session
 
 
-def _request(prompt: list[int], config: GenerationConfig, index: int) -> Request:
-    return Request(prompt, config.max_new_tokens, config.temperature, config.seed + index, config.eos_token_ids)
-
-
-def _info(config: GenerationConfig, request_ids: list[str], prompts: list[list[int]], budget: int) -> GenerateInfo:
-    return GenerateInfo(
-        method=config.method,
-        budget=budget,
-        topk=get_method(config.method).tree_shape(config.budget, config.topk, budget)[1],
-        temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        request_ids=request_ids,
-        prompt_tokens=prompts,
+def _request(prompt: list[int], config: GenerationConfig, index: int, request_id: str) -> Request:
+    return Request(
+        prompt, config.max_new_tokens, config.temperature, config.seed + index, config.eos_token_ids, request_id
     )
-
-
-def _results(request_ids: list[str], outputs: list[RequestOutput]) -> list[RequestResult]:
-    return [
-        RequestResult(
-            request_id=rid,
-            output_tokens=out.token_ids,
-            acceptance_lengths=out.acceptance_lengths,
-            finish_reason=out.finish_reason or "length",
-        )
-        for rid, out in zip(request_ids, outputs, strict=True)
-    ]

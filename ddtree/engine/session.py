@@ -12,8 +12,9 @@ device-to-host transfer, the accepted tokens, which the caller needs anyway.
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
 from ddtree.verify import accept, ancestor_mask
 from telemetry import semconv
-from telemetry.hooks import NOOP, StepObserver
+from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
 
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 
@@ -39,6 +40,8 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    request_id: str = ""  # what telemetry calls it; empty: the session makes one up
+    trace_parent: str | None = None  # a W3C `traceparent` for the request's span
 
 
 @dataclass
@@ -89,6 +92,7 @@ class DecodeSession:
         if cuda_graphs and target.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {target.device}")
         self.target = target
+        self.method = method
         self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
         self.observer = observer
         self.capacity = capacity
@@ -161,20 +165,47 @@ class DecodeSession:
         for r in requests:
             _check_request(r, self.tokens_needed(len(r.prompt), r.max_new_tokens), self.capacity)
         ids = free[: len(requests)]
+        if self.observer is not NOOP:
+            requests = [r if r.request_id else replace(r, request_id=uuid.uuid4().hex) for r in requests]
         first = self._prefill(ids, requests)
         for slot, request, token in zip(ids, requests, first, strict=True):
             entry = _Slot(request, RequestOutput(), len(request.prompt))
             _emit(entry, [token])
             self.slots[slot] = entry
+            if self.observer is not NOOP:
+                self.observer.on_generate_start(self._info(request, slot))
         self._refresh_active()
         return ids
 
-    def leave(self, slot: int) -> RequestOutput:
-        """Free `slot` and return its request's output."""
-        out = self.output(slot)
+    def leave(self, slot: int, reason: str = "cancelled") -> RequestOutput:
+        """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
+        request that leaves before it finished (a stop string matched, the client went away)."""
+        entry = self.slots[slot]
+        if entry is None:
+            raise ValueError(f"slot {slot} is free")
         self.slots[slot] = None
         self._refresh_active()
-        return out
+        if self.observer is not NOOP:
+            out, rid = entry.output, entry.request.request_id
+            result = RequestResult(rid, out.token_ids, out.acceptance_lengths, out.finish_reason or reason)
+            self.observer.on_generate_end([result])
+        return entry.output
+
+    def _info(self, request: Request, slot: int) -> GenerateInfo:
+        """What telemetry is told of a request that joins."""
+        proposer = self.proposer
+        return GenerateInfo(
+            method=self.method,
+            budget=proposer.width - 1,
+            topk=getattr(proposer, "topk", None),
+            temperature=request.temperature,
+            max_new_tokens=request.max_new_tokens,
+            seed=request.seed,
+            request_ids=[request.request_id],
+            prompt_tokens=[request.prompt],
+            slots=[slot],
+            trace_parents=[request.trace_parent],
+        )
 
     def _prefill(self, ids: list[int], requests: list[Request]) -> list[int]:
         """Run the prompts into their slots' rows; return each request's first token (one host read)."""

@@ -37,7 +37,7 @@ from ddtree.engine.session import Request as DecodeRequest
 from ddtree.server.errors import ApiError, api_error_response, validation_error
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
-from ddtree.server.metrics import MetricsMiddleware, ServerMetrics
+from ddtree.server.metrics import MetricsMiddleware, ServerMetrics, telemetry_exposition
 from ddtree.server.model import ServedModel, ServerSettings, load_model
 from ddtree.server.prompts import chat_prompt, completion_prompt
 from ddtree.server.responses import Reply, ddtree_block, usage_block
@@ -74,6 +74,7 @@ def create_app(settings: ServerSettings, model: ServedModel | None = None) -> Fa
             yield
         finally:
             worker.stop(settings.shutdown_timeout)
+            served.telemetry.shutdown()  # flushes spans, logs and metrics; bounded
 
     app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ddtree = state
@@ -121,8 +122,9 @@ async def health(request: Request) -> JSONResponse:
 
 @_open.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = _state(request).metrics.exposition()
-    return Response(body, media_type=content_type)
+    state = _state(request)
+    body, content_type = state.metrics.exposition()
+    return Response(body + await telemetry_exposition(state.model.telemetry), media_type=content_type)
 
 
 @_v1.get("/v1/models")
@@ -161,9 +163,11 @@ async def _generate(
     state: ServerState, request: Request, body: Sampling, prompt: list[int], max_tokens: int, chat: bool
 ) -> Response:
     _check_length(len(prompt), max_tokens, state.model.max_model_len, "messages" if chat else "prompt")
-    generation = _start(state, request.url.path, body, prompt, max_tokens)
+    reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    traced = (reply_id, request.headers.get("traceparent"))  # telemetry's request id, the client's trace
+    generation = _start(state, request.url.path, body, prompt, max_tokens, traced)
     reply = Reply(
-        id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        id=reply_id,
         created=int(time.time()),
         model=state.model.model_id,
         chat=chat,
@@ -188,11 +192,15 @@ async def _generate(
     return JSONResponse(reply.body(text, generation.finish_reason or "length", *_blocks(state, generation)))
 
 
-def _start(state: ServerState, path: str, body: Sampling, prompt: list[int], max_tokens: int) -> Generation:
+def _start(
+    state: ServerState, path: str, body: Sampling, prompt: list[int], max_tokens: int, traced: tuple[str, str | None]
+) -> Generation:
     model = state.model
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
     seed = body.seed if body.seed is not None else secrets.randbits(63)
-    request = DecodeRequest(prompt, max_tokens, temperature, seed, model.generation.eos_token_ids)
+    request_id, trace_parent = traced
+    eos = model.generation.eos_token_ids
+    request = DecodeRequest(prompt, max_tokens, temperature, seed, eos, request_id, trace_parent)
     text = TextStream(model.tokenizer, prompt, body.stop_list())
     generation = Generation(state.worker, request, text, state.metrics.first_token.labels(path).observe)
     try:

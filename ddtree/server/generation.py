@@ -80,7 +80,7 @@ class Generation:
 
     def close(self) -> None:
         """Cancel the job unless it is over (idempotent): its slot is freed at the next step boundary."""
-        self._worker.cancel(self.job)
+        self._worker.cancel(self.job, self.finish_reason or "cancelled")
 
     def _post(self, update: Update) -> None:
         """On the decode thread: hand the update to the event loop; never waits."""

@@ -11,14 +11,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from telemetry import semconv as sc
 
+TELEMETRY_SCRAPE_TIMEOUT_S = 1.0  # the telemetry exporter answers on loopback in milliseconds
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 OTHER = "other"
 
@@ -88,3 +92,22 @@ class MetricsMiddleware:
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.request_done(endpoint_label(str(scope["path"])), status, time.perf_counter() - started)
+
+
+async def telemetry_exposition(telemetry: Any) -> bytes:
+    """The telemetry layer's Prometheus text (`DDTREE_DEBUG_METRICS=1`), fetched from its exporter process on
+    loopback, so that `/metrics` is the one endpoint; empty when telemetry is off or does not answer (a
+    telemetry failure never fails the scrape of the server's own metrics)."""
+    port = getattr(telemetry, "prometheus_port", None)
+    if not port:
+        return b""
+    return await asyncio.to_thread(_fetch, f"http://127.0.0.1:{port}/metrics")
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=TELEMETRY_SCRAPE_TIMEOUT_S) as response:
+            body: bytes = response.read()
+            return body
+    except OSError:
+        return b""

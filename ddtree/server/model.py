@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.methods import get_method
 from ddtree.runtime import GenerateRequest, check_request, eos_ids, load_pair, resolve_paths
+from telemetry import TelemetryConfig, start_telemetry
 
 DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller
 
@@ -62,6 +63,7 @@ class ServedModel:
     vocab_size: int
     tree_budget: int  # the budget and top-k the engine verifies (`Method.tree_shape`)
     tree_topk: int | None
+    telemetry: Any = field(default_factory=lambda: start_telemetry(TelemetryConfig()))  # the off one by default
 
     def new_session(self, slots: int) -> DecodeSession:
         """A fresh session of `slots` slots for requests of up to `max_model_len` tokens."""
@@ -84,7 +86,15 @@ def load_model(settings: ServerSettings) -> ServedModel:
         raise UserError(f"serve needs a model directory with a tokenizer; {model} has none")
     if settings.cuda_graphs == "on" and target.device.type != "cuda":
         raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
-    engine = Engine(target, drafter, cuda_graphs=settings.cuda_graphs, tree_kernel=settings.tree_kernel)
+    telemetry = start_telemetry(
+        _server_telemetry(TelemetryConfig.from_env()),
+        device_type=target.device.type,
+        model_name=Path(model).name,
+        detokenize=lambda ids: str(tokenizer.decode(ids)),
+    )
+    engine = Engine(
+        target, drafter, observer=telemetry.observer, cuda_graphs=settings.cuda_graphs, tree_kernel=settings.tree_kernel
+    )
     budget, topk = facts.tree_shape(settings.budget, settings.topk, drafter.depth if drafter is not None else 0)
     if facts.needs_drafter and topk is None:
         topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given
@@ -100,7 +110,16 @@ def load_model(settings: ServerSettings) -> ServedModel:
         vocab_size=vocab_size,
         tree_budget=budget,
         tree_topk=topk,
+        telemetry=telemetry,
     )
+
+
+def _server_telemetry(config: TelemetryConfig) -> TelemetryConfig:
+    """`DDTREE_DEBUG_METRICS=1` in the server: the telemetry layer's Prometheus metrics are served through the
+    server's own `/metrics` (one endpoint), so its exporter listens on a free loopback port of its own."""
+    if config.enabled and config.metrics_exporter == "prometheus":
+        return replace(config, prometheus_host="127.0.0.1", prometheus_port=0)
+    return config
 
 
 def _generate_request(settings: ServerSettings) -> GenerateRequest:

@@ -55,6 +55,7 @@ class Job:
     request: Request
     deliver: Callable[[Update], None]  # called on the decode thread; must not block
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # the finish reason telemetry reports when it leaves early ("stop": a stop string)
 
 
 @dataclass
@@ -113,9 +114,11 @@ class DecodeWorker:
             self._waiting.append(job)
             self._cond.notify_all()
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Drop a waiting job, or have its slot left at the next step boundary. Idempotent."""
         with self._cond:
+            if not job.cancelled:
+                job.cancel_reason = reason
             job.cancelled = True
             if job in self._waiting:
                 self._waiting.remove(job)
@@ -174,7 +177,7 @@ class DecodeWorker:
         session = self._session()
         for slot, run in list(self._running.items()):
             if run.job.cancelled:
-                session.leave(slot)
+                session.leave(slot, run.job.cancel_reason)
                 self._forget(slot)
                 self.cancelled += 1
 
