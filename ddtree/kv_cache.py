@@ -29,6 +29,14 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] committed tokens
         self.capacity = capacity
 
+    def narrow(self, rows: int) -> KVCache:
+        """A view of the first `rows` requests: same storage, so writes through it land here."""
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys[:, :rows], self.values[:, :rows]
+        view.lengths = self.lengths[:rows]
+        view.capacity = self.capacity
+        return view
+
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `keys`/`values` (`[batch, kv_heads, n, head_dim]`) at `slots` (`[batch, n]`)."""
         index = slots[:, None, :, None].expand_as(keys)

@@ -1,9 +1,10 @@
 """The slot-based decode session: the one decode core under `generate`, `bench` and the server.
 
-A session has a fixed number of slots. A request joins a free slot between steps (its prompt is
-prefilled into that slot's rows of the caches) and leaves when its caller is done with it. Every step runs
-all slots: finished and free slots are masked (they commit nothing), not compacted away, so the step's
-shapes stay fixed and a CUDA graph captured once replays every later step of that shape. Slots are
+A session has a fixed number of slots. A request joins the lowest free slot between steps (its prompt is
+prefilled into that slot's rows of the caches) and leaves when its caller is done with it. A step runs the
+first slots up to the last one decoding, rounded up to a power of two: finished and free slots among them
+are masked (they commit nothing), not compacted away, so steps come in a few shapes and a CUDA graph
+captured once replays every later step of its shape. Slots are
 independent: a request's tokens depend only on its prompt, its settings and its seed.
 
 A step: draft -> tree_build -> verify -> accept (see `ddtree.engine.graphs` for how they run). It makes one
@@ -22,6 +23,7 @@ import torch
 from ddtree.engine.graphs import Bag, StepRunner
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device, to_host
+from ddtree.kv_cache import KVCache
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
@@ -60,6 +62,22 @@ class _Launch:
     entries: list[_Slot | None]  # the slots' occupants when it was launched
     bag: Bag
     ticket: Any  # from `Readback.start`
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Views of the first `n` slots of every per-slot tensor: a step runs only these rows."""
+
+    n: int
+    root: torch.Tensor  # [n]
+    context: torch.Tensor | None  # [n, width, features]
+    counts: torch.Tensor  # [n]
+    active: torch.Tensor  # [n]
+    temperature: torch.Tensor  # [n]
+    seed: torch.Tensor  # [n]
+    draw: torch.Tensor  # [n]
+    cache: KVCache
+    draft_cache: KVCache | None
 
 
 @dataclass
@@ -128,6 +146,7 @@ class DecodeSession:
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
+        self._views: dict[int, _Rows] = {}
 
     @property
     def num_slots(self) -> int:
@@ -284,57 +303,77 @@ class DecodeSession:
         span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
         if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
             span = min(self.capacity, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
-        self.observer.on_step_start(self.steps, self.num_slots)
-        bag = self.runner.run((span, sampled), {"span": span, "sampled": sampled})
+        rows = self._rows(_row_bucket(self.slots, self.num_slots))
+        self.observer.on_step_start(self.steps, rows.n)
+        bag = self.runner.run((rows.n, span, sampled), {"span": span, "sampled": sampled, "rows": rows})
         self._inflight.append(_Launch(self.steps, list(self.slots), bag, self._readback.start(bag["out"])))
         self.steps += 1
 
     def _finish(self, launch: _Launch) -> list[int]:
         host = self._readback.wait(launch.ticket)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.bag["result"], [row[0] for row in host])
-        emitted = self._commit(host, launch.entries)
+        emitted = self._commit(host, launch.entries)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
-        return emitted
+        return emitted + [0] * (self.num_slots - len(emitted))
+
+    def _rows(self, n: int) -> _Rows:
+        """Views of the first `n` slots (made once per `n`: graphs captured on them replay on them)."""
+        rows = self._views.get(n)
+        if rows is None:
+            rows = _Rows(
+                n,
+                self.root[:n],
+                None if self.context is None else self.context[:n],
+                self.counts[:n],
+                self.active[:n],
+                self.temperature[:n],
+                self.seed[:n],
+                self.draw[:n],
+                self.cache.narrow(n),
+                None if self.draft_cache is None else self.draft_cache.narrow(n),
+            )
+            self._views[n] = rows
+        return rows
 
     def _draft(self, bag: Bag) -> None:
-        bag["logits"] = self.proposer.draft(
-            self.root, self.context, self.counts, self.draft_cache, bag["span"], self.fused
-        )
+        r: _Rows = bag["rows"]
+        bag["logits"] = self.proposer.draft(r.root, r.context, r.counts, r.draft_cache, bag["span"], self.fused)
 
     def _build(self, bag: Bag) -> None:
-        tree = self.proposer.build(bag["logits"], self.num_slots)
+        tree = self.proposer.build(bag["logits"], bag["rows"].n)
         bag["tree"] = tree
         bag["ancestors"] = ancestor_mask(tree)  # [slots, nodes, nodes]
 
     def _verify(self, bag: Bag) -> None:
-        tree = bag["tree"]
-        tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [slots, nodes]
-        tokens[:, 0] = self.root
-        positions = self.cache.lengths[:, None] + tree.depths
-        verified = self.target.forward(tokens, positions, bag["ancestors"], self.cache, bag["span"], fused=self.fused)
-        bag["choice"] = choose_tokens(verified.logits, self.temperature, self.seed, self.draw, bag["sampled"])
+        tree, r = bag["tree"], bag["rows"]
+        tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [n, nodes]
+        tokens[:, 0] = r.root
+        positions = r.cache.lengths[:, None] + tree.depths
+        verified = self.target.forward(tokens, positions, bag["ancestors"], r.cache, bag["span"], fused=self.fused)
+        bag["choice"] = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, bag["sampled"])
         bag["features"] = verified.features
 
     def _accept(self, bag: Bag) -> None:
-        result = accept(bag["tree"], bag["ancestors"], bag["choice"], self.root)
-        counts = torch.where(self.active, result.accepted + 1, 0)  # [slots] tokens each slot commits
-        self.cache.compact(result.path, counts)
+        r: _Rows = bag["rows"]
+        result = accept(bag["tree"], bag["ancestors"], bag["choice"], r.root)
+        counts = torch.where(r.active, result.accepted + 1, 0)  # [n] tokens each slot commits
+        r.cache.compact(result.path, counts)
         features = bag["features"]
-        if features is not None and self.context is not None:
+        if features is not None and r.context is not None:
             index = result.path[:, :, None].expand(-1, -1, features.shape[-1])
-            self.context.copy_(features.gather(1, index))
-        self.counts.copy_(counts)
-        self.root.copy_(result.bonus)
-        self.draw += 1
+            r.context.copy_(features.gather(1, index))
+        r.counts.copy_(counts)
+        r.root.copy_(result.bonus)
+        r.draw.add_(1)
         bag["result"] = result
         bag["out"] = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)
 
     def _commit(self, host: list[list[int]], launched_with: list[_Slot | None]) -> list[int]:
         """Give each slot that decoded in this step and still does its accepted drafts and bonus; return how
-        many tokens each slot kept."""
-        emitted = [0] * self.num_slots
+        many tokens each of the step's rows (the first slots) kept."""
+        emitted = [0] * len(host)
         finished_now = False
-        for i, (entry, row) in enumerate(zip(self.slots, host, strict=True)):
+        for i, (entry, row) in enumerate(zip(self.slots, host, strict=False)):
             if entry is None or entry is not launched_with[i] or entry.output.finished:
                 continue
             n = row[0]
@@ -347,6 +386,13 @@ class DecodeSession:
         if finished_now:
             self._refresh_active()
         return emitted
+
+
+def _row_bucket(slots: list[_Slot | None], num_slots: int) -> int:
+    """How many of the first slots a step runs: a power of two past the last slot still decoding (joins take
+    the lowest free slots), so few shapes cover every occupancy."""
+    last = max((i for i, s in enumerate(slots) if s is not None and not s.output.finished), default=0)
+    return min(num_slots, 1 << last.bit_length())
 
 
 def cache_tokens(tokens: int, width: int, block: int) -> int:

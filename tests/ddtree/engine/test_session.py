@@ -88,3 +88,30 @@ def test_session_errors_speak_of_values() -> None:
         DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=64, cuda_graphs=True)
     with pytest.raises(ValueError, match="unknown method"):
         DecodeSession(target, drafter, "beam", 8, None, slots=1, capacity=64)
+
+
+def test_steps_run_only_the_slots_up_to_the_last_one_decoding() -> None:
+    from telemetry.hooks import NoopObserver
+
+    class Rows(NoopObserver):
+        def __init__(self) -> None:
+            self.rows: list[int] = []
+
+        def on_step_start(self, step: int, batch_size: int) -> None:
+            self.rows.append(batch_size)
+
+    target, drafter = tiny_pair(9, vocab=16, block_size=4)
+    rows = Rows()
+    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=rows)
+    long, short = session.join([Request([1, 2], 24), Request([3], 3)])
+    while session.has_active():
+        session.step()
+    assert rows.rows[0] == 2 and rows.rows[-1] == 1, "two rows while slot 1 decodes, then one"
+    alone = Engine(target, drafter).generate([[1, 2]], GenerationConfig(method="ddtree", budget=8, max_new_tokens=24))
+    assert session.leave(long).token_ids == alone.outputs[0].token_ids
+    assert len(session.leave(short).token_ids) == 3
+    session.join([Request([4], 2), Request([5], 2), Request([6], 8)])
+    rows.rows.clear()
+    while session.has_active():
+        session.step()
+    assert rows.rows[0] == 3, "a power of two past the last slot decoding, at most the session's slots"
