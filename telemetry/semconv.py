@@ -99,7 +99,12 @@ PROM_STAGE_DURATION_SECONDS: Final = "ddtree_stage_duration_seconds"
 # scraped.
 PROM_HTTP_REQUESTS_TOTAL: Final = "ddtree_http_requests_total"
 PROM_HTTP_REQUEST_DURATION_SECONDS: Final = "ddtree_http_request_duration_seconds"
-PROM_TIME_TO_FIRST_TOKEN_SECONDS: Final = "ddtree_time_to_first_token_seconds"
+PROM_TIME_TO_FIRST_TOKEN_SECONDS: Final = (
+    "ddtree_time_to_first_token_seconds"  # OTel: gen_ai.server.time_to_first_token
+)
+PROM_TIME_PER_OUTPUT_TOKEN_SECONDS: Final = (
+    "ddtree_time_per_output_token_seconds"  # gen_ai.server.time_per_output_token
+)
 PROM_GENERATED_TOKENS_TOTAL: Final = "ddtree_generated_tokens_total"
 PROM_WAITING_REQUESTS: Final = "ddtree_waiting_requests"
 PROM_RUNNING_REQUESTS: Final = "ddtree_running_requests"
@@ -130,6 +135,7 @@ STAGE_DURATION_BUCKETS: Final = (
 )
 HTTP_DURATION_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TIME_TO_FIRST_TOKEN_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Log events and fields.
 EVENT_STEP: Final = "ddtree.step"

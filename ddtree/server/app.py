@@ -245,7 +245,11 @@ def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int],
 
 
 def _count_tokens(state: ServerState, path: str, generation: Generation) -> None:
-    state.metrics.generated.labels(path).inc(generation.completion_tokens)
+    tokens = generation.completion_tokens
+    state.metrics.generated.labels(path).inc(tokens)
+    if tokens > 1 and generation.first_token_at is not None:
+        per_token = (time.perf_counter() - generation.first_token_at) / (tokens - 1)
+        state.metrics.per_token.labels(path).observe(per_token)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

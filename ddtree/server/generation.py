@@ -39,6 +39,7 @@ class Generation:
         self._text = text
         self._on_first_token = on_first_token
         self._started = time.perf_counter()
+        self.first_token_at: float | None = None  # perf_counter time of the first token
         self._pending: Update | None = None
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
@@ -96,7 +97,8 @@ class Generation:
 
     def _take(self, update: Update) -> str:
         if update.token_ids and self._text.tokens == 0:
-            self._on_first_token(time.perf_counter() - self._started)
+            self.first_token_at = time.perf_counter()
+            self._on_first_token(self.first_token_at - self._started)
         self.acceptance_lengths += update.acceptance_lengths
         text = self._text.feed(update.token_ids)
         if self._text.stopped:

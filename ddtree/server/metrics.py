@@ -4,6 +4,8 @@
   HTTP request, counted when its response ends (a stream: when its last chunk is sent or the client goes);
   paths other than the server's routes are counted as endpoint `other`.
 - `ddtree_time_to_first_token_seconds{endpoint}`: from the handler's start to the prefill's first token.
+- `ddtree_time_per_output_token_seconds{endpoint}`: per request of two or more tokens, the time after the
+  first token over the tokens after it (OTel GenAI's `gen_ai.server.time_per_output_token`).
 - `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response (`usage`), stop strings
   and disconnects included up to where the response ended.
 - `ddtree_waiting_requests`, `ddtree_running_requests`: gauges read from the decode thread at scrape time.
@@ -48,6 +50,13 @@ class ServerMetrics:
             "Time from a request's arrival to its first generated token",
             [sc.LABEL_ENDPOINT],
             buckets=sc.TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.per_token = Histogram(
+            sc.PROM_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Time per output token after the first: (end - first token) / (tokens - 1), per request",
+            [sc.LABEL_ENDPOINT],
+            buckets=sc.TIME_PER_OUTPUT_TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.generated = Counter(

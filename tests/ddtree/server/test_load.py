@@ -108,6 +108,8 @@ def test_32_clients_get_their_solo_greedy_outputs_and_the_counters_reconcile(
     completions = {k: v for k, v in samples.items() if k.startswith(sc.PROM_HTTP_REQUESTS_TOTAL + "{")}
     assert sum(v for k, v in completions.items() if "/v1/completions" in k) == CLIENTS  # no 429, no 500
     assert samples[f'{sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS}_count{{endpoint="/v1/completions"}}'] == CLIENTS
+    longer = sum(c.tokens > 1 for c in cases)  # time per output token: requests of two or more tokens
+    assert samples[f'{sc.PROM_TIME_PER_OUTPUT_TOKEN_SECONDS}_count{{endpoint="/v1/completions"}}'] == longer
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus binary is not installed")
