@@ -215,7 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
-        tree_kernel=_tree_kernel(args.tree_kernel),
+        tree_kernel=args.tree_kernel,
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat or (args.model is None and args.prompt is not None),
@@ -243,7 +243,7 @@ def _parse_ids(text: str) -> list[int]:
 def _bench(args: argparse.Namespace) -> int:
     from ddtree.bench import format_rows, heldout_prompts, hf_generate_row, rows_json, run_bench
     from ddtree.engine.decode import Engine
-    from ddtree.runtime import eos_ids, load_pair, resolve_paths
+    from ddtree.runtime import check_engine_options, eos_ids, load_pair, resolve_paths
     from ddtree.train.data import chat_ids
 
     if args.tree_build:
@@ -254,6 +254,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
+    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel)
     prompts = heldout_prompts(args.prompts)[: args.limit]
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
     target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)
@@ -263,9 +264,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    engine = Engine(
-        target, drafter, cuda_graphs=_graphs_mode(args.cuda_graphs, target), tree_kernel=_tree_kernel(args.tree_kernel)
-    )
+    engine = Engine(target, drafter, cuda_graphs=args.cuda_graphs, tree_kernel=args.tree_kernel)
     rows = [hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos)] if args.baseline else []
     rows += run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
@@ -277,15 +276,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
     return 0
-
-
-def _tree_kernel(kernel: str) -> str:
-    if kernel == "triton":
-        from ddtree.kernels.tree_build import triton_available
-
-        if not triton_available():
-            raise UserError("--tree-kernel triton needs triton and a CUDA device")
-    return kernel
 
 
 def _tree_build_bench(args: argparse.Namespace) -> int:
@@ -302,13 +292,6 @@ def _tree_build_bench(args: argparse.Namespace) -> int:
             fused = f"{times['fused_ms']:.3f}" if "fused_ms" in times else "-"
             print(f"{batch:>6}{budget:>8}{times['torch_ms']:>10.3f}{fused:>10}")
     return 0
-
-
-def _graphs_mode(mode: str, target: Any) -> str:
-    """The engine's CUDA-graph mode, with the CLI's wording for the one bad combination."""
-    if mode == "on" and target.device.type != "cuda":
-        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
-    return str(mode)
 
 
 def _overhead(
@@ -371,7 +354,7 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
-        tree_kernel=_tree_kernel(args.tree_kernel),
+        tree_kernel=args.tree_kernel,
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
 

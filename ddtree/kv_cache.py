@@ -37,6 +37,13 @@ class KVCache:
         view.capacity = self.capacity
         return view
 
+    def load_rows(self, rows: torch.Tensor, source: KVCache) -> None:
+        """Put `source`'s requests (their keys, values and lengths) into requests `rows` (`[k]`) of this cache."""
+        width = source.keys.shape[3]
+        self.keys[:, rows, :, :width] = source.keys
+        self.values[:, rows, :, :width] = source.values
+        self.lengths[rows] = source.lengths
+
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store `keys`/`values` (`[batch, kv_heads, n, head_dim]`) at `slots` (`[batch, n]`)."""
         index = slots[:, None, :, None].expand_as(keys)

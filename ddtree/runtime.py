@@ -70,11 +70,13 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
 
 
 def resolve_paths(model: str | None, drafter: str | None, method: str) -> tuple[str, str | None]:
-    """Fill in the default pair where no model is given; check that drafting methods have a drafter."""
+    """Fill in the default pair where no model is given; check that drafting methods have a drafter. A method
+    without one gets no drafter directory, whatever was given."""
+    if not get_method(method).needs_drafter:
+        return model or str(default_target()), None
     if model is None:
-        drafter_dir = drafter or (str(default_drafter()) if get_method(method).needs_drafter else None)
-        return str(default_target()), drafter_dir
-    if get_method(method).needs_drafter and drafter is None:
+        return str(default_target()), drafter or str(default_drafter())
+    if drafter is None:
         raise UserError(f"--method {method} needs --drafter DIR")
     return model, drafter
 
@@ -131,16 +133,26 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str) -> None:
+    """The engine options against the device they would run on, before anything loads (UserError, in the
+    words of the flags: the engine itself raises ValueError for the same combinations)."""
+    if cuda_graphs == "on" and resolve_device(device).type != "cuda":
+        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
+    if tree_kernel == "triton":
+        from ddtree.kernels.tree_build import triton_available
+
+        if not triton_available():
+            raise UserError("--tree-kernel triton needs triton and a CUDA device")
+
+
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
+    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel)
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
-    method = request.generation.method
-    model, drafter_dir = resolve_paths(request.model, request.drafter, method)
+    model, drafter_dir = resolve_paths(request.model, request.drafter, request.generation.method)
     check_request(request, int(read_target_config(model).vocab_size))
-    target, drafter, tokenizer = load_pair(
-        model, drafter_dir if get_method(method).needs_drafter else None, request.device, request.dtype
-    )
+    target, drafter, tokenizer = load_pair(model, drafter_dir, request.device, request.dtype)
     prompts = encode_prompts(request, tokenizer)
     config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
     telemetry = start_telemetry(
@@ -149,8 +161,6 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
         detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
     )
     try:
-        if request.cuda_graphs == "on" and target.device.type != "cuda":
-            raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
         engine = Engine(
             target,
             drafter,

@@ -53,20 +53,17 @@ class StepRunner:
         if not self.per_stage:
             entry.graphs[0].replay()
             return entry.bag
-        obs = self.observer
-        for (name, _), graph in zip(self.stages, entry.graphs, strict=True):
-            obs.on_stage_start(name)
-            graph.replay()
-            if name == semconv.STAGE_TREE_BUILD:
-                obs.on_tree(entry.bag["tree"])
-            obs.on_stage_end(name)
-        return entry.bag
+        return self._observed(entry.bag, [_replay(graph) for graph in entry.graphs])
 
     def _eager(self, bag: Bag) -> Bag:
+        return self._observed(bag, [stage for _, stage in self.stages])
+
+    def _observed(self, bag: Bag, runs: list[Stage]) -> Bag:
+        """Run each stage (`runs[i]` does stage i's work on `bag`) between the observer's stage hooks."""
         obs = self.observer
-        for name, stage in self.stages:
+        for (name, _), run in zip(self.stages, runs, strict=True):
             obs.on_stage_start(name)
-            stage(bag)
+            run(bag)
             if name == semconv.STAGE_TREE_BUILD:
                 obs.on_tree(bag["tree"])
             obs.on_stage_end(name)
@@ -87,6 +84,11 @@ class StepRunner:
             graphs.append(graph)
         return _Captured(graphs=graphs, bag=bag)
 
-    def clear(self) -> None:
-        """Drop every captured graph (their memory goes back to the allocator)."""
-        self.captured.clear()
+
+def _replay(graph: Any) -> Stage:
+    """A stage that replays `graph` (its bag is the one it was captured on)."""
+
+    def run(_: Bag) -> None:
+        graph.replay()
+
+    return run

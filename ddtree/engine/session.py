@@ -168,10 +168,13 @@ class DecodeSession:
         return any(s is not None and not s.output.finished for s in self.slots)
 
     def output(self, slot: int) -> RequestOutput:
+        return self._entry(slot).output
+
+    def _entry(self, slot: int) -> _Slot:
         entry = self.slots[slot]
         if entry is None:
             raise ValueError(f"slot {slot} is free")
-        return entry.output
+        return entry
 
     # -- joining and leaving ------------------------------------------------------------------------------
 
@@ -199,9 +202,7 @@ class DecodeSession:
     def leave(self, slot: int, reason: str = "cancelled") -> RequestOutput:
         """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
         request that leaves before it finished (a stop string matched, the client went away)."""
-        entry = self.slots[slot]
-        if entry is None:
-            raise ValueError(f"slot {slot} is free")
+        entry = self._entry(slot)
         self.slots[slot] = None
         self._refresh_active()
         if self.observer is not NOOP:
@@ -247,24 +248,20 @@ class DecodeSession:
             logit_index=(lengths - 1)[:, None],
             fused=False,
         )
+        scratch.lengths.copy_(lengths)
         index = to_device(ids, device)  # [k]
-        self.cache.keys[:, index, :, :width] = scratch.keys
-        self.cache.values[:, index, :, :width] = scratch.values
-        self.cache.lengths[index] = lengths
+        self.cache.load_rows(index, scratch)
         draft_scratch = self.proposer.new_cache(len(prompts), width)
         if self.draft_cache is not None and draft_scratch is not None:
             self.proposer.append_context(out.features, lengths, draft_scratch)
-            self.draft_cache.keys[:, index, :, :width] = draft_scratch.keys
-            self.draft_cache.values[:, index, :, :width] = draft_scratch.values
-            self.draft_cache.lengths[index] = lengths
+            self.draft_cache.load_rows(index, draft_scratch)
         self.temperature[index] = to_device([r.temperature for r in requests], device).float()
         self.seed[index] = to_device([r.seed for r in requests], device)
-        self.draw[index] = 0
         first = choose_tokens(
             out.logits,
             self.temperature[index],
             self.seed[index],
-            self.draw[index],
+            torch.zeros_like(index),  # the prefill is each request's draw 0
             any(r.temperature > 0 for r in requests),
         )[:, 0]  # [k]
         self.draw[index] = 1

@@ -29,6 +29,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from ddtree.errors import UserError
 from ddtree.kv_cache import KVCache
+from ddtree.models.layers import merge_heads, residual_mlp
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -71,19 +72,18 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         q = self.project_q(x, cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        result: torch.Tensor = self.o_proj(attend(q, k, v, context_kv, mask))
+        result: torch.Tensor = self.o_proj(merge_heads(attend(q, k, v, context_kv, mask)))
         return result
 
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
 ) -> torch.Tensor:
-    """Block queries over the context's and the block's own keys; `[batch, n, heads * head_dim]`."""
+    """Block queries over the context's and the block's own keys; `[batch, heads, n, head_dim]`."""
     keys = torch.cat([context_kv[0], k], dim=2)
     values = torch.cat([context_kv[1], v], dim=2)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    batch, _, n, _ = q.shape
-    return out.transpose(1, 2).reshape(batch, n, -1)
+    out: torch.Tensor = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return out
 
 
 class DFlashLayer(nn.Module):
@@ -112,7 +112,7 @@ class DFlashDrafter(nn.Module):
         self.rotary: nn.Module = Qwen3RotaryEmbedding(config)
         self._context_kv: Any = self._eager_context_kv  # compiled versions after compile_layers()
         self._block_qkv: Any = _block_qkv
-        self._residual_mlp: Any = _residual_mlp
+        self._residual_mlp: Any = residual_mlp
 
     @property
     def depth(self) -> int:
@@ -164,7 +164,7 @@ class DFlashDrafter(nn.Module):
         changes as requests grow, and the cache writes stay eager."""
         self._context_kv = torch.compile(self._eager_context_kv, dynamic=False)
         self._block_qkv = torch.compile(_block_qkv, dynamic=False)
-        self._residual_mlp = torch.compile(_residual_mlp, dynamic=False)
+        self._residual_mlp = torch.compile(residual_mlp, dynamic=False)
 
     def _eager_context_kv(self, context: torch.Tensor, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, keys and values `[batch, kv_heads, n, head_dim]` of `context` at `slots` `[batch, n]`."""
@@ -191,11 +191,11 @@ class DFlashDrafter(nn.Module):
         ones = torch.ones((batch, block), dtype=torch.bool, device=device)
         mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
         x = block_embeds
-        qkv, residual_mlp = (self._block_qkv, self._residual_mlp) if fused else (_block_qkv, _residual_mlp)
+        qkv, rest = (self._block_qkv, self._residual_mlp) if fused else (_block_qkv, residual_mlp)
         layer: Any
         for i, layer in enumerate(self.layers):
             q, k, v = qkv(layer, x, cos, sin)
-            x = residual_mlp(layer, x, attend(q, k, v, context_kv[i], mask))
+            x = rest(layer, x, attend(q, k, v, context_kv[i], mask))
         out: torch.Tensor = self.norm(x)
         return out
 
@@ -246,13 +246,6 @@ def _block_qkv(
     h = layer.input_layernorm(x)
     k, v = attn.project_kv(h, cos, sin)
     return attn.project_q(h, cos, sin), k, v
-
-
-def _residual_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The rest of a layer: output projection, residual, MLP, residual. `attended` `[batch, n, heads * dim]`."""
-    x = x + layer.self_attn.o_proj(attended)
-    result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
-    return result
 
 
 def default_feature_layers(num_target_layers: int, count: int) -> list[int]:

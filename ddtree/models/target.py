@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ddtree.errors import UserError
 from ddtree.kv_cache import KVCache
+from ddtree.models.layers import residual_mlp
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -54,7 +55,7 @@ class Target:
         self.device = param.device
         self.dtype = param.dtype
         self._qkv: Any = _qkv  # replaced by compiled versions in compile_layers()
-        self._residual_mlp: Any = _residual_mlp
+        self._residual_mlp: Any = residual_mlp
 
     @property
     def num_layers(self) -> int:
@@ -114,7 +115,7 @@ class Target:
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self._qkv = torch.compile(_qkv, dynamic=False)
-        self._residual_mlp = torch.compile(_residual_mlp, dynamic=False)
+        self._residual_mlp = torch.compile(residual_mlp, dynamic=False)
 
     def _layer(
         self,
@@ -130,14 +131,14 @@ class Target:
         fused: bool,
     ) -> torch.Tensor:
         attn = layer.self_attn
-        qkv, residual_mlp = (self._qkv, self._residual_mlp) if fused else (_qkv, _residual_mlp)
+        qkv, rest = (self._qkv, self._residual_mlp) if fused else (_qkv, residual_mlp)
         q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
         keys, values = cache.read(index, key_span)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
         )  # [batch, heads, n, head_dim]
-        result: torch.Tensor = residual_mlp(layer, x, out)
+        result: torch.Tensor = rest(layer, x, out)
         return result
 
 
@@ -155,14 +156,6 @@ def _qkv(
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v
-
-
-def _residual_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The rest of a layer: output projection, residual, MLP, residual. `attended` `[batch, heads, n, head_dim]`."""
-    batch, n, _ = x.shape
-    x = x + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, n, -1))
-    result: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
-    return result
 
 
 def tree_attention_mask(lengths: torch.Tensor, visible: torch.Tensor, key_span: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.methods import get_method
-from ddtree.runtime import GenerateRequest, check_request, eos_ids, load_pair, resolve_paths
+from ddtree.runtime import GenerateRequest, check_engine_options, check_request, eos_ids, load_pair, resolve_paths
 from telemetry import TelemetryConfig, start_telemetry
 
 DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller
@@ -38,6 +38,7 @@ class ServerSettings:
 def check_settings(settings: ServerSettings) -> None:
     """Check what can be checked before anything loads (UserError, in the words of the flags)."""
     check_request(_generate_request(settings))
+    check_engine_options(settings.device, settings.cuda_graphs, settings.tree_kernel)
     for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -76,16 +77,12 @@ def load_model(settings: ServerSettings) -> ServedModel:
     check_settings(settings)
     model, drafter_dir = resolve_paths(settings.model, settings.drafter, settings.method)
     facts = get_method(settings.method)
-    target, drafter, tokenizer = load_pair(
-        model, drafter_dir if facts.needs_drafter else None, settings.device, settings.dtype
-    )
+    target, drafter, tokenizer = load_pair(model, drafter_dir, settings.device, settings.dtype)
     vocab_size = int(target.config.vocab_size)
     check_request(_generate_request(settings), vocab_size)
     max_model_len = _max_model_len(settings.max_model_len, target.config)
     if tokenizer is None:
         raise UserError(f"serve needs a model directory with a tokenizer; {model} has none")
-    if settings.cuda_graphs == "on" and target.device.type != "cuda":
-        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
     telemetry = start_telemetry(
         _server_telemetry(TelemetryConfig.from_env()),
         device_type=target.device.type,
