@@ -28,7 +28,7 @@ class GenerateRequest:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: str = "auto"
-    tree_kernel: str = "torch"
+    tree_kernel: str = "auto"
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False

@@ -10,6 +10,7 @@ comma-separated subset of lossless,sync,overhead (default: all three).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -33,7 +34,8 @@ TELEMETRY_ON = TelemetryConfig(
 
 def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = "lossless,sync,overhead") -> None:
     count = 16 if device == "cuda" else 2
-    dtypes = ("float32", "bfloat16") if device == "cuda" else ("float32",)
+    on_gpu = tuple(os.environ.get("GPU_CHECK_DTYPES", "float32,bfloat16").split(","))
+    dtypes = on_gpu if device == "cuda" else ("float32",)
     for dtype in dtypes if "lossless" in checks else dtypes[-1:]:  # the last one serves the other checks
         target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device, dtype)
         prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
@@ -41,12 +43,14 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
         if "lossless" not in checks:
             break
         eager = Engine(target, drafter, cuda_graphs="off")
-        engine = Engine(target, drafter)  # CUDA graphs on a GPU
+        engine = Engine(target, drafter)  # CUDA graphs on a GPU, the Triton tree build where it runs
+        torch_tree = Engine(target, drafter, tree_kernel="torch")
         ar_cfg = GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)
         ar = eager.generate(prompts, ar_cfg).outputs
         for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 32)):
             cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
-            for name, runner in (("eager", eager), ("graphed", engine)) if method != "ar" else (("graphed", engine),):
+            runners = (("eager", eager), ("graphed", engine), ("graphed torch-tree", torch_tree))
+            for name, runner in runners if method != "ar" else (("graphed", engine),):
                 out = runner.generate(prompts, cfg).outputs
                 same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
                 print(

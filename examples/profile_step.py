@@ -1,7 +1,9 @@
 """Where a graphed decode step spends its time, on a CUDA GPU: wall time per step, GPU kernels per step and
 their total time (torch profiler), and time per stage (per-stage graphs with CUDA events between them).
 
-    python examples/profile_step.py TARGET_DIR [OUT_DIR] [BATCH]
+    python examples/profile_step.py TARGET_DIR [OUT_DIR] [BATCH] [TREE_KERNEL]
+
+TREE_KERNEL is torch or triton (default: triton where it is available).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ddtree.bench import heldout_prompts
 from ddtree.engine.session import DecodeSession, Request
+from ddtree.kernels.tree_build import triton_available
 from ddtree.models.default import default_drafter
 from ddtree.runtime import load_pair
 from ddtree.train.data import chat_ids
@@ -49,9 +52,12 @@ class StageEvents(NoopObserver):
         return {s: sum(v) / len(v) for s, v in sums.items()}
 
 
-def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, budget: int) -> dict[str, Any]:
+def measure(
+    target: Any, drafter: Any, prompts: list[list[int]], method: str, budget: int, tree_kernel: str
+) -> dict[str, Any]:
     batch = len(prompts)
-    session = DecodeSession(target, drafter, method, budget, None, slots=batch, capacity=2048, cuda_graphs=True)
+    options: dict[str, Any] = {"slots": batch, "capacity": 2048, "cuda_graphs": True, "tree_kernel": tree_kernel}
+    session = DecodeSession(target, drafter, method, budget, None, **options)
     session.join([Request(p, 1500) for p in prompts])
     for _ in range(3):
         session.step()  # the first step of a shape runs eagerly and captures
@@ -66,11 +72,9 @@ def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, bu
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1000 / 10
-    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
     timer = StageEvents()
-    staged = DecodeSession(
-        target, drafter, method, budget, None, slots=batch, capacity=2048, observer=timer, cuda_graphs=True
-    )
+    staged = DecodeSession(target, drafter, method, budget, None, observer=timer, **options)
     staged.join([Request(p, 1500) for p in prompts])
     for _ in range(3):
         staged.step()
@@ -81,6 +85,7 @@ def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, bu
         "method": method,
         "budget": budget,
         "batch": batch,
+        "tree_kernel": tree_kernel,
         "wall_ms_per_step": round(wall_ms, 3),
         "kernels_per_step": len(kernels) / 10,
         "gpu_ms_per_step": round(gpu_ms, 3),
@@ -89,12 +94,14 @@ def measure(target: Any, drafter: Any, prompts: list[list[int]], method: str, bu
     }
 
 
-def main(target_dir: str, out_dir: str = ".", batch: str = "1") -> None:
+def main(target_dir: str, out_dir: str = ".", batch: str = "1", tree_kernel: str = "") -> None:
+    tree_kernel = tree_kernel or ("triton" if triton_available() else "torch")
     target, drafter, tokenizer = load_pair(target_dir, str(default_drafter()), "cuda", "bfloat16")
     target.compile_layers()
     drafter.compile_layers()
     prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[: int(batch)]]
-    rows = [measure(target, drafter, prompts, m, b) for m, b in (("ar", 1), ("dflash", 1), ("ddtree", 32))]
+    configs = (("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64))
+    rows = [measure(target, drafter, prompts, m, b, tree_kernel) for m, b in configs]
     Path(out_dir, f"profile_b{batch}.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
         print(
@@ -106,4 +113,4 @@ def main(target_dir: str, out_dir: str = ".", batch: str = "1") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

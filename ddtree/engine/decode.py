@@ -62,7 +62,7 @@ class Engine:
         drafter: DFlashDrafter | None = None,
         observer: StepObserver = NOOP,
         cuda_graphs: str = "auto",
-        tree_kernel: str = "torch",
+        tree_kernel: str = "auto",
         pipeline_depth: int | None = None,
     ) -> None:
         self.target = target

@@ -20,7 +20,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.tree import DraftTree, build_tree, root_only_tree
 
-TREE_KERNELS = ("torch", "triton")
+TREE_KERNELS = ("auto", "torch", "triton")
 
 
 class Proposer(Protocol):
@@ -83,9 +83,9 @@ class DrafterProposer:
     """A DFlash drafter and a tree shape: a chain (`dflash`) or the top-`budget` prefixes (`ddtree`)."""
 
     def __init__(
-        self, drafter: DFlashDrafter, target: Target, budget: int, topk: int | None, tree_kernel: str = "torch"
+        self, drafter: DFlashDrafter, target: Target, budget: int, topk: int | None, tree_kernel: str = "auto"
     ) -> None:
-        self.build_tree = _tree_builder(tree_kernel)
+        self.build_tree = _tree_builder(tree_kernel, target.device)
         self.drafter = drafter
         self.target = target
         self.budget = budget
@@ -120,8 +120,13 @@ class DrafterProposer:
         return self.build_tree(logits, self.budget, self.topk)
 
 
-def _tree_builder(kernel: str) -> Callable[[torch.Tensor, int, int | None], DraftTree]:
-    """`torch`: `ddtree.tree.build_tree`; `triton`: the fused kernels, which build the same tree."""
+def _tree_builder(kernel: str, device: torch.device) -> Callable[[torch.Tensor, int, int | None], DraftTree]:
+    """`torch`: `ddtree.tree.build_tree`; `triton`: the fused kernels, which build the same tree; `auto`:
+    triton on CUDA where it imports, else torch."""
+    if kernel == "auto":
+        from ddtree.kernels.tree_build import default_tree_kernel
+
+        kernel = default_tree_kernel(device)
     if kernel == "torch":
         return build_tree
     if kernel == "triton":
@@ -139,7 +144,7 @@ def make_proposer(
     drafter: DFlashDrafter | None,
     budget: int,
     topk: int | None,
-    tree_kernel: str = "torch",
+    tree_kernel: str = "auto",
 ) -> Proposer:
     facts = get_method(method)
     if not facts.needs_drafter:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.graphs import Bag, StepRunner
+from ddtree.engine.graphs import Bag, GraphCache, Stage, StepRunner
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device, to_host
 from ddtree.kv_cache import KVCache
@@ -33,6 +33,7 @@ from telemetry import semconv
 from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
 
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
+PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class DecodeSession:
         observer: StepObserver = NOOP,
         cuda_graphs: bool = False,
         pipeline_depth: int | None = None,
-        tree_kernel: str = "torch",
+        tree_kernel: str = "auto",
         fused: bool | None = None,
     ) -> None:
         if slots < 1:
@@ -133,6 +134,7 @@ class DecodeSession:
         self.draw = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] sampling draws so far
         self.slots: list[_Slot | None] = [None] * slots
         self.steps = 0
+        self._prefills = GraphCache(cuda_graphs)
         self.runner = StepRunner(
             [
                 (semconv.STAGE_DRAFT, self._draft),
@@ -228,46 +230,51 @@ class DecodeSession:
         )
 
     def _prefill(self, ids: list[int], requests: list[Request]) -> list[int]:
-        """Run the prompts into their slots' rows; return each request's first token (one host read)."""
-        target, device = self.target, self.target.device
-        prompts = [r.prompt for r in requests]
-        width = max(len(p) for p in prompts)
-        tokens = to_device([p + [0] * (width - len(p)) for p in prompts], device)  # [k, width]
-        lengths = to_device([len(p) for p in prompts], device)  # [k]
-        steps = torch.arange(width, device=device)
-        real = steps[None, :] < lengths[:, None]  # [k, width]
-        causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
-        visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
-        scratch = target.new_cache(len(prompts), width)
-        out = target.forward(
-            tokens,
-            steps.expand(len(prompts), -1),
-            visible,
-            scratch,
-            width,
-            logit_index=(lengths - 1)[:, None],
-            fused=False,
-        )
-        scratch.lengths.copy_(lengths)
-        index = to_device(ids, device)  # [k]
-        self.cache.load_rows(index, scratch)
-        draft_scratch = self.proposer.new_cache(len(prompts), width)
-        if self.draft_cache is not None and draft_scratch is not None:
-            self.proposer.append_context(out.features, lengths, draft_scratch)
-            self.draft_cache.load_rows(index, draft_scratch)
-        self.temperature[index] = to_device([r.temperature for r in requests], device).float()
-        self.seed[index] = to_device([r.seed for r in requests], device)
-        first = choose_tokens(
-            out.logits,
-            self.temperature[index],
-            self.seed[index],
-            torch.zeros_like(index),  # the prefill is each request's draw 0
-            any(r.temperature > 0 for r in requests),
-        )[:, 0]  # [k]
-        self.draw[index] = 1
-        self.root[index] = first
-        self.counts[index] = 0
-        return [int(t) for t in to_host(first)]
+        """Run the prompts into their slots' rows; return each request's first token (one host read). On CUDA
+        the prompts are padded to a multiple of `PREFILL_BUCKET` and the prefill replays a graph per shape."""
+        device = self.target.device
+        width = max(len(r.prompt) for r in requests)
+        if self.cuda_graphs:
+            width = min(self.capacity, -(-width // PREFILL_BUCKET) * PREFILL_BUCKET)
+        inputs = {
+            "tokens": to_device([r.prompt + [0] * (width - len(r.prompt)) for r in requests], device),  # [k, width]
+            "lengths": to_device([len(r.prompt) for r in requests], device),  # [k]
+            "index": to_device(ids, device),  # [k] the slots
+            "temperature": to_device([r.temperature for r in requests], device).float(),  # [k]
+            "seed": to_device([r.seed for r in requests], device),  # [k]
+        }
+        sampled = any(r.temperature > 0 for r in requests)
+        bag = self._prefills.run((len(requests), width, sampled), self._prefill_stage(sampled), inputs)
+        return [int(t) for t in to_host(bag["first"])]
+
+    def _prefill_stage(self, sampled: bool) -> Stage:
+        def run(bag: Bag) -> None:
+            tokens, lengths, index = bag["tokens"], bag["lengths"], bag["index"]
+            k, width = tokens.shape
+            device = tokens.device
+            steps = torch.arange(width, device=device)
+            real = steps[None, :] < lengths[:, None]  # [k, width]
+            causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
+            visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+            scratch = self.target.new_cache(k, width)
+            positions = steps.expand(k, -1)
+            out = self.target.forward(tokens, positions, visible, scratch, width, (lengths - 1)[:, None], fused=False)
+            scratch.lengths.copy_(lengths)
+            self.cache.load_rows(index, scratch)
+            draft_scratch = self.proposer.new_cache(k, width)
+            if self.draft_cache is not None and draft_scratch is not None:
+                self.proposer.append_context(out.features, lengths, draft_scratch)
+                self.draft_cache.load_rows(index, draft_scratch)
+            self.temperature[index] = bag["temperature"]
+            self.seed[index] = bag["seed"]
+            draw = torch.zeros_like(index)  # the prefill is each request's draw 0
+            first = choose_tokens(out.logits, bag["temperature"], bag["seed"], draw, sampled)[:, 0]  # [k]
+            self.draw.index_fill_(0, index, 1)
+            self.root[index] = first
+            self.counts.index_fill_(0, index, 0)
+            bag["first"] = first
+
+        return run
 
     def _refresh_active(self) -> None:
         flags = [s is not None and not s.output.finished for s in self.slots]

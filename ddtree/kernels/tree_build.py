@@ -68,6 +68,11 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def default_tree_kernel(device: torch.device) -> str:
+    """What the tree kernel `auto` stands for: `triton` on a CUDA device where triton imports, else `torch`."""
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
 def _kernels() -> ModuleType:
     """The Triton kernels, imported on first use (the core install may lack triton)."""
     return importlib.import_module("ddtree.kernels._tree_build_triton")

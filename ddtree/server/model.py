@@ -32,7 +32,7 @@ class ServerSettings:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: str = "auto"
-    tree_kernel: str = "torch"
+    tree_kernel: str = "auto"
 
 
 def check_settings(settings: ServerSettings) -> None:
