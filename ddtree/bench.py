@@ -33,6 +33,7 @@ class BenchRow:
     steps: int
     new_tokens: int
     seconds: float
+    token_ids: tuple[tuple[int, ...], ...] = ()  # per prompt, in order: what the method generated
 
     @property
     def tokens_per_second(self) -> float:
@@ -79,7 +80,8 @@ def run_bench(
         lengths = [a for r in results for o in r.outputs for a in o.acceptance_lengths]
         steps, new_tokens = sum(r.steps for r in results), sum(r.new_tokens for r in results)
         seconds = sum(r.seconds for r in results)
-        rows.append(BenchRow(method, budget, mean_acceptance_length(lengths), steps, new_tokens, seconds))
+        tokens = tuple(tuple(o.token_ids) for r in results for o in r.outputs)
+        rows.append(BenchRow(method, budget, mean_acceptance_length(lengths), steps, new_tokens, seconds, tokens))
     return rows
 
 
@@ -105,20 +107,24 @@ def hf_generate_row(
     batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
     for batch in batches if target.device.type == "cuda" else batches[:1]:  # compile and warm up, as for ours
         _hf_batch(model, batch, max_new_tokens, eos, pad)
-    new_tokens, steps, seconds = 0, 0, 0.0
+    tokens: list[tuple[int, ...]] = []
+    steps, seconds = 0, 0.0
     for batch in batches:
         _sync(target.device)
         started = time.perf_counter()
-        counts = _hf_batch(model, batch, max_new_tokens, eos, pad)
+        rows = _hf_batch(model, batch, max_new_tokens, eos, pad)
         _sync(target.device)
         seconds += time.perf_counter() - started
-        new_tokens += sum(counts)
-        steps += max(counts)
-    return BenchRow(HF_BASELINE, None, None, steps, new_tokens, seconds)
+        tokens += rows
+        steps += max(len(r) for r in rows)
+    return BenchRow(HF_BASELINE, None, None, steps, sum(len(r) for r in tokens), seconds, tuple(tokens))
 
 
-def _hf_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], pad: int) -> list[int]:
-    """Run one left-padded batch through `model.generate`; return the new tokens of each row."""
+def _hf_batch(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], pad: int
+) -> list[tuple[int, ...]]:
+    """Run one left-padded batch through `model.generate`; return the new tokens of each row, up to and
+    including its first end-of-sequence token."""
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -132,11 +138,11 @@ def _hf_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: tu
         eos_token_id=list(eos) or None,
         pad_token_id=pad,
     )
-    counts = []
+    rows = []
     for row in out[:, width:].tolist():
         stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        counts.append(stop)
-    return counts
+        rows.append(tuple(row[:stop]))
+    return rows
 
 
 def _run_batches(
@@ -182,6 +188,7 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
             "seconds": round(r.seconds, 4),
             "tokens_per_second": round(r.tokens_per_second, 2),
             "ms_per_step": round(r.ms_per_step, 3),
+            "token_ids": [list(t) for t in r.token_ids],
         }
         for r in rows
     ]

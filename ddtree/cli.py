@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddtree import cli_analysis
 from ddtree.errors import UserError
 from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
@@ -60,7 +61,10 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
             "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="replay decode steps (auto: on CUDA)"
         )
         parser.add_argument(
-            "--tree-kernel", choices=("torch", "triton"), default="torch", help="tree build: torch ops or fused Triton"
+            "--tree-kernel",
+            choices=("auto", "torch", "triton"),
+            default="auto",
+            help="tree build: torch ops or fused Triton (auto: Triton on CUDA where it imports)",
         )
 
 
@@ -106,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=4, help="off/on rounds for --telemetry-overhead (the order alternates)"
     )
     bench.add_argument("--tree-build", action="store_true", help="instead: time the tree build alone (torch, triton)")
+    bench.add_argument(
+        "--cost-curve", help="also write ddtree's ms per step by budget here (for `ddtree advise --cost`)"
+    )
     bench.set_defaults(func=_bench)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the decode session")
@@ -133,9 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     _device_args(serve, graphs=True)
     serve.set_defaults(func=_serve)
 
-    analyze = sub.add_parser("analyze", help="turn DDTREE_DEBUG_METRICS step logs into tables and budget advice")
-    analyze.add_argument("log", help="a JSON log file written with DDTREE_DEBUG_METRICS=1")
-    analyze.set_defaults(func=_analyze)
+    cli_analysis.add_parsers(sub)  # analyze, advise
 
     models = sub.add_parser("models", help="model tools").add_subparsers(dest="models_command", required=True)
     pull = models.add_parser("pull", help="fetch and convert the default target (SmolLM2-135M-Instruct)")
@@ -265,8 +270,9 @@ def _bench(args: argparse.Namespace) -> int:
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     engine = Engine(target, drafter, cuda_graphs=args.cuda_graphs, tree_kernel=args.tree_kernel)
-    rows = [hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos)] if args.baseline else []
-    rows += run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
+    rows = run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
+    if args.baseline:  # after ours, so that its compiled forward cannot touch our runs' state
+        rows.insert(0, hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos))
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
     print(
         f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, "
@@ -275,6 +281,11 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_rows(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+    if args.cost_curve:
+        from telemetry.advise import write_cost
+
+        curve = [(r.budget, r.ms_per_step) for r in rows if r.method == "ddtree" and r.budget]
+        write_cost(Path(args.cost_curve), curve, args.batch_size)
     return 0
 
 
@@ -362,20 +373,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve(settings, args.host, args.port)  # returns once a signal's graceful shutdown is done
     return 0
-
-
-def _analyze(args: argparse.Namespace) -> int:
-    from telemetry.analysis import advice, format_table, read_steps, summarise
-
-    try:
-        groups = summarise(read_steps(args.log))
-    except OSError as exc:
-        raise UserError(f"cannot read {args.log!r}: {exc.strerror}") from exc
-    except (KeyError, TypeError) as exc:
-        raise UserError(f"{args.log!r} has ddtree.step lines without the expected fields: {exc}") from exc
-    print(format_table(groups))
-    print(advice(groups))
-    return 0 if groups else EXIT_USAGE
 
 
 def _drafter_init(args: argparse.Namespace) -> int:

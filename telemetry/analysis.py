@@ -8,7 +8,7 @@ tokens per second over the stage time; the advice is the configuration with the 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,56 @@ class ConfigStats:
     def depth_acceptance(self) -> list[float]:
         return [a / n if n else 0.0 for a, n in zip(self.accepted_per_depth, self.nodes_per_depth, strict=False)]
 
+    def depth_rate(self) -> list[float]:
+        """Index d-1: of the request-steps that accepted depth d-1 (all of them for d = 1), the share that
+        accepted depth d too."""
+        reached = [self.request_steps, *self.accepted_per_depth]
+        return [a / r if r else 0.0 for a, r in zip(reached[1:], reached[:-1], strict=True)]
+
+    def add(self, s: dict[str, Any]) -> None:
+        """One `ddtree.step` line of this configuration."""
+        self.steps += 1
+        self.request_steps += len(s[sc.FIELD_ACCEPTED_DRAFTS])
+        self.accepted += sum(s[sc.FIELD_ACCEPTED_DRAFTS])
+        self.emitted += sum(s.get(sc.FIELD_EMITTED, []))
+        for stage, ms in s[sc.FIELD_STAGE_MS].items():
+            self.stage_ms[stage] = self.stage_ms.get(stage, 0.0) + ms
+        _add_into(self.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
+        _add_into(self.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
+
+
+@dataclass
+class LineCounts:
+    lines: int = 0
+    bad: int = 0  # not a JSON object
+    steps: int = 0
+    requests: int = 0
+    other: int = 0  # JSON objects that are not step or request lines (GPU samples, telemetry notes)
+
+
+def iter_records(lines: Iterable[str], counts: LineCounts) -> Iterator[dict[str, Any]]:
+    """The JSON objects among `lines`, one at a time (memory does not grow with the file); lines that are not
+    JSON objects are counted in `counts.bad` and skipped."""
+    for line in lines:
+        if not line.strip():
+            continue
+        counts.lines += 1
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            counts.bad += 1
+            continue
+        event = record.get("event")
+        if event == sc.EVENT_STEP:
+            counts.steps += 1
+        elif event == sc.EVENT_REQUEST:
+            counts.requests += 1
+        else:
+            counts.other += 1
+        yield record
+
 
 def read_steps(path: str | Path) -> list[dict[str, Any]]:
     steps = []
@@ -67,16 +117,12 @@ def summarise(steps: Iterable[dict[str, Any]]) -> list[ConfigStats]:
     groups: dict[tuple[str, int, int | None], ConfigStats] = {}
     for s in steps:
         key = (s[sc.FIELD_METHOD], s[sc.FIELD_BUDGET], s[sc.FIELD_TOPK])
-        stats = groups.setdefault(key, ConfigStats(*key))
-        stats.steps += 1
-        stats.request_steps += len(s[sc.FIELD_ACCEPTED_DRAFTS])
-        stats.accepted += sum(s[sc.FIELD_ACCEPTED_DRAFTS])
-        stats.emitted += sum(s.get(sc.FIELD_EMITTED, []))
-        for stage, ms in s[sc.FIELD_STAGE_MS].items():
-            stats.stage_ms[stage] = stats.stage_ms.get(stage, 0.0) + ms
-        _add_into(stats.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
-        _add_into(stats.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
-    return sorted(groups.values(), key=lambda g: (g.method, g.budget))
+        groups.setdefault(key, ConfigStats(*key)).add(s)
+    return sort_configs(groups.values())
+
+
+def sort_configs(groups: Iterable[ConfigStats]) -> list[ConfigStats]:
+    return sorted(groups, key=lambda g: (g.method, g.budget, g.topk or 0))
 
 
 def _add_into(total: list[int], values: list[int]) -> None:

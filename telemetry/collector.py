@@ -38,6 +38,7 @@ class _Pending:
     marks: list[Any]
     stages: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> mark indices
     depths: torch.Tensor | None = None  # [batch, nodes] host copy of the tree's depths, filled asynchronously
+    tree: dict[str, torch.Tensor] = field(default_factory=dict)  # tokens, parents (log_probs): host copies too
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     slot_ids: list[str | None] = field(default_factory=list)  # each slot's request when the step started
@@ -50,8 +51,9 @@ MAX_PENDING = 16  # records left unresolved before a step start resolves them (w
 class Collector:
     """Implements `telemetry.hooks.StepObserver`."""
 
-    def __init__(self, sinks: list[StatsSink], device_type: str = "cpu") -> None:
+    def __init__(self, sinks: list[StatsSink], device_type: str = "cpu", tree_detail: bool = False) -> None:
         self.sinks = sinks
+        self.tree_fields = ("tokens", "parents", "log_probs") if tree_detail else ("tokens", "parents")
         self.clock: StageClock = clock_for(device_type)
         self.pinned = device_type == "cuda"
         self.info: GenerateInfo | None = None  # the latest requests' settings (one session: one method)
@@ -63,6 +65,7 @@ class Collector:
         self.open_stage: tuple[str, int] | None = None
         self.boundary: int | None = None  # index of the mark the next stage starts at, if one is due
         self.host_buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.tree_buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # (shape, dtype) -> free host buffers
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
@@ -101,13 +104,32 @@ class Collector:
             self._drain()  # earlier steps, while the device verifies this one
 
     def on_tree(self, tree: DraftTree) -> None:
-        """One copy and nothing else on the device: the root and padding have depth 0, so the host counts
-        the draft nodes per depth from the depths alone."""
+        """Non-blocking copies and nothing else on the device: the root and padding have depth 0, so the host
+        counts the draft nodes per depth from the depths alone. The tokens and parents let the exporter find
+        each accepted path's node indices from the request's output tokens (for the budget replay); the
+        log-probabilities are copied only when tree detail is on."""
         assert self.current is not None
         free = self.host_buffers.setdefault(tuple(tree.depths.shape), [])
         host = free.pop() if free else torch.empty(tree.depths.shape, dtype=tree.depths.dtype, pin_memory=self.pinned)
         host.copy_(tree.depths, non_blocking=True)
         self.current.depths = host
+        for name in self.tree_fields:
+            self.current.tree[name] = self._host_copy(getattr(tree, name))
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied without blocking into a reused host buffer (pinned on CUDA)."""
+        free = self.tree_buffers.setdefault((tuple(t.shape), t.dtype), [])
+        host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _release(self, record: _Pending) -> None:
+        """The record's host buffers go back to their pools."""
+        if record.depths is not None:
+            self.host_buffers[tuple(record.depths.shape)].append(record.depths)
+        for host in record.tree.values():
+            self.tree_buffers[(tuple(host.shape), host.dtype)].append(host)
+        record.tree = {}
 
     def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
         self.started[step].accepted = accepted
@@ -124,8 +146,7 @@ class Collector:
             self.pending.append(record)
         else:  # a step launched ahead while its requests finished: no request decoded in it
             self.clock.release(record.marks)
-            if record.depths is not None:
-                self.host_buffers[tuple(record.depths.shape)].append(record.depths)
+            self._release(record)
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
         """Requests leave. Their steps have all been read by the engine, so the wait for the marks still pending
@@ -153,8 +174,7 @@ class Collector:
                 record.marks[-1].synchronize()
             stats = self._resolve(record)
             self.clock.release(record.marks)
-            if record.depths is not None:
-                self.host_buffers[tuple(record.depths.shape)].append(record.depths)
+            self._release(record)
             call_sinks(self.sinks, "step", stats)
 
     def _resolve(self, record: _Pending) -> StepStats:
@@ -163,6 +183,7 @@ class Collector:
         assert self.info is not None
         wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
         active = [e > 0 for e in record.emitted]
+        tree = {name: host.numpy()[active] for name, host in record.tree.items()}  # copies: buffers are reused
         return StepStats(
             step=record.step,
             info=self.info,
@@ -174,6 +195,9 @@ class Collector:
             start_ns=wall[0],
             end_ns=wall[-1],
             slot_ids=record.slot_ids,
+            tokens=tree.get("tokens"),
+            parents=tree.get("parents"),
+            log_probs=tree.get("log_probs"),
         )
 
 

@@ -14,6 +14,7 @@
 | DDTREE_LOG_FORMAT | json, console | json |
 | DDTREE_NVML_INTERVAL_MS | milliseconds; 0 turns NVML sampling off | 500 |
 | DDTREE_LOG_CONTENT | 0, 1, true, false: put prompt and completion text in logs and spans | 0 |
+| DDTREE_LOG_TREE | 0..1: the share of steps whose step line carries every node's rank and probability | 0 |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class TelemetryConfig:
     log_format: str = "json"
     nvml_interval_ms: int = 500
     log_content: bool = False
+    log_tree: float = 0.0  # share of steps logged with per-node ranks and log-probabilities (top-k replay)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TelemetryConfig:
@@ -62,6 +64,7 @@ class TelemetryConfig:
             log_format=_choice(e, "DDTREE_LOG_FORMAT", ("json", "console"), "json"),
             nvml_interval_ms=_int(e, "DDTREE_NVML_INTERVAL_MS", 500, 0, 3_600_000),
             log_content=_flag(e, "DDTREE_LOG_CONTENT"),
+            log_tree=_share(e, "DDTREE_LOG_TREE"),
         )
 
 
@@ -91,4 +94,17 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -
         raise TelemetryConfigError(f"{name} must be an integer, got {raw!r}") from None
     if not low <= value <= high:
         raise TelemetryConfigError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def _share(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise TelemetryConfigError(f"{name} must be a number in 0..1, got {raw!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise TelemetryConfigError(f"{name} must be in 0..1, got {value}")
     return value

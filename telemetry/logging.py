@@ -14,6 +14,7 @@ from ddtree.methods import mean_acceptance_length
 from telemetry import semconv as sc
 from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.replay import PathTracker, path_ranks
 from telemetry.stats import StepStats
 
 
@@ -46,12 +47,17 @@ def make_logger(config: TelemetryConfig, stream: IO[str]) -> Any:
 
 
 class LogSink:
-    """`ddtree.step` per decode step and `ddtree.request` per finished request."""
+    """`ddtree.step` per decode step and `ddtree.request` per finished request.
 
-    def __init__(self, logger: Any, log_content: bool = False, trace_ids: Any = None) -> None:
+    A request's line lists its steps' accepted paths (node indices), found when it ends (`PathTracker`); a
+    share `tree_share` of the step lines carry each node's path rank and log-probability."""
+
+    def __init__(self, logger: Any, log_content: bool = False, trace_ids: Any = None, tree_share: float = 0.0) -> None:
         self.log = logger
         self.log_content = log_content
         self.trace_ids = trace_ids  # callable: step stats -> trace id hex, or None
+        self.tree_share = tree_share
+        self.paths = PathTracker()
 
     def start_requests(self, info: GenerateInfo) -> None:
         pass
@@ -72,7 +78,17 @@ class LogSink:
             sc.FIELD_STAGE_MS: {s: round((e - b) / 1e6, 4) for s, (b, e) in stats.stage_ns.items()},
             sc.FIELD_REQUEST_IDS: stats.request_ids,
             sc.FIELD_TRACE_ID: self.trace_ids(stats) if self.trace_ids else None,
+            sc.FIELD_START_NS: stats.start_ns,
+            sc.FIELD_END_NS: stats.end_ns,
         }
+        if stats.parents is not None and stats.parents.shape[1] > 1 and sampled(stats.step, self.tree_share):
+            fields[sc.FIELD_NODE_RANKS] = [path_ranks(row) for row in stats.parents.tolist()]
+            if stats.log_probs is not None:
+                counts = stats.tree_nodes
+                fields[sc.FIELD_NODE_LOG_PROBS] = [
+                    [round(float(v), 4) for v in row[1 : n + 1]] for row, n in zip(stats.log_probs, counts, strict=True)
+                ]
+        self.paths.add(stats)
         self.log.info(sc.EVENT_STEP, **fields)
 
     def end_requests(self, info: GenerateInfo, results: list[RequestResult]) -> None:
@@ -86,11 +102,21 @@ class LogSink:
                 sc.FIELD_STEPS: len(lengths),
                 sc.FIELD_MEAN_ACCEPTANCE: _rounded(mean_acceptance_length(lengths)),
                 sc.FIELD_FINISH_REASON: result.finish_reason,
+                sc.FIELD_BUDGET: info.budget,
+                sc.FIELD_TOPK: info.topk,
             }
+            found = self.paths.finish(result)
+            if found is not None:
+                fields[sc.FIELD_PATH_STEPS], fields[sc.FIELD_ACCEPTED_PATHS] = found
             if self.log_content:
                 fields[sc.FIELD_PROMPT_TOKEN_IDS] = prompt
                 fields[sc.FIELD_OUTPUT_TOKEN_IDS] = result.output_tokens
             self.log.info(sc.EVENT_REQUEST, **fields)
+
+
+def sampled(step: int, share: float) -> bool:
+    """Whether step `step` is one of the `share` of steps kept (evenly spread, the same on every run)."""
+    return int((step + 1) * share) != int(step * share)
 
 
 def _rounded(value: float | None) -> float | None:

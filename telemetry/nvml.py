@@ -8,6 +8,7 @@ short bursts between two reads are not missed; where the driver has none, a poin
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from telemetry import semconv as sc
@@ -54,11 +55,15 @@ class NvmlSampler:
 
     def _sample(self, nvml: Any, handle: Any, index: int) -> None:
         labels = {sc.LABEL_GPU: str(index)}
-        self.gauges["util"].set(self._utilization(nvml, handle, index), labels)
-        self.gauges["mem"].set(nvml.nvmlDeviceGetMemoryInfo(handle).used, labels)
-        self.gauges["power"].set(nvml.nvmlDeviceGetPowerUsage(handle) / 1000, labels)
+        util, memory = self._utilization(nvml, handle, index), nvml.nvmlDeviceGetMemoryInfo(handle).used
+        power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000
+        self.gauges["util"].set(util, labels)
+        self.gauges["mem"].set(memory, labels)
+        self.gauges["power"].set(power, labels)
         self.gauges["clock"].set(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6, labels)
         self.gauges["temp"].set(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), labels)
+        fields = {sc.FIELD_GPU_UTILIZATION: util, sc.FIELD_GPU_MEMORY_USED: memory, sc.FIELD_GPU_POWER: power}
+        self.log.info(sc.EVENT_GPU, **{sc.FIELD_GPU: index, sc.FIELD_TIME_NS: time.time_ns()}, **fields)
 
     def _utilization(self, nvml: Any, handle: Any, index: int) -> float:
         try:

@@ -81,8 +81,9 @@ class ExporterProcess:
 
     def step(self, stats: StepStats) -> None:
         s = stats
+        tree = (s.tokens, s.parents, s.log_probs)
         self.steps.append(
-            (s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns, s.end_ns, s.slot_ids)
+            (s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns, s.end_ns, s.slot_ids, *tree)
         )
         if len(self.steps) >= SEND_EVERY_STEPS or time.monotonic() - self.sent_at >= SEND_EVERY_S:
             self._send_steps()

@@ -162,3 +162,17 @@ FIELD_MEAN_ACCEPTANCE: Final = "mean_acceptance_length"
 FIELD_FINISH_REASON: Final = "finish_reason"
 FIELD_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"  # content: only with DDTREE_LOG_CONTENT=1
 FIELD_OUTPUT_TOKEN_IDS: Final = "output_token_ids"  # content: only with DDTREE_LOG_CONTENT=1
+
+# Replay and analysis fields (`ddtree advise`, `ddtree analyze`).
+FIELD_START_NS: Final = "start_ns"  # step start, wall-clock ns since the epoch
+FIELD_END_NS: Final = "end_ns"
+FIELD_NODE_RANKS: Final = "node_ranks"  # per request, per draft node 1..n: the largest rank at its depth on its path
+FIELD_NODE_LOG_PROBS: Final = "node_log_probs"  # per request, per draft node 1..n: the drafter's log-probability
+FIELD_ACCEPTED_PATHS: Final = "accepted_paths"  # request line: per step, the accepted draft nodes' indices
+FIELD_PATH_STEPS: Final = "path_steps"  # request line: the session step of each entry of accepted_paths
+EVENT_GPU: Final = "ddtree.gpu"  # one NVML sample per GPU
+FIELD_TIME_NS: Final = "time_ns"  # wall-clock ns since the epoch
+FIELD_GPU: Final = "gpu"
+FIELD_GPU_UTILIZATION: Final = "utilization_percent"
+FIELD_GPU_MEMORY_USED: Final = "memory_used_bytes"
+FIELD_GPU_POWER: Final = "power_watts"

@@ -134,7 +134,9 @@ def build(
 
     exporter = ExporterProcess(config, device_type, model_name, detokenize)
     return Telemetry(
-        observer=Collector([exporter], device_type), prometheus_port=exporter.prometheus_port, closers=[exporter.close]
+        observer=Collector([exporter], device_type, tree_detail=config.log_tree > 0),
+        prometheus_port=exporter.prometheus_port,
+        closers=[exporter.close],
     )
 
 
@@ -165,7 +167,8 @@ def build_sinks(
         )
         sinks.append(trace_sink)
     sinks.append(MetricsSink(meter))
-    sinks.append(LogSink(log, config.log_content, (lambda _s: trace_sink.last_trace_id) if inner is not None else None))
+    trace_ids = (lambda _s: trace_sink.last_trace_id) if inner is not None else None
+    sinks.append(LogSink(log, config.log_content, trace_ids, config.log_tree))
     if config.nvml_interval_ms > 0 and device_type == "cuda":
         sampler = NvmlSampler(meter, config.nvml_interval_ms, log)
         if sampler.start():

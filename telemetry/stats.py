@@ -31,6 +31,9 @@ class StepStats:
     end_ns: int
     slot_ids: list[str | None] | None = None  # per slot: its request when the step started (None: free);
     # None: the slots are the requests of `info`, in order
+    tokens: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: draft tokens, -1 = root or padding
+    parents: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: parent node, -1 = root or padding
+    log_probs: npt.NDArray[np.float32] | None = None  # [active requests, 1+budget]: only with tree detail on
 
     @cached_property
     def tree_nodes(self) -> list[int]:
@@ -61,6 +64,12 @@ class StepStats:
         """The requests that decoded in this step."""
         ids = self.slot_ids if self.slot_ids is not None else self.info.request_ids
         return [rid for rid, a in zip(ids, self.active, strict=True) if a and rid is not None]
+
+    @property
+    def row_ids(self) -> list[str | None]:
+        """Each active request's id, in the order of the rows of `depths`, `tokens` and `parents`."""
+        ids = self.slot_ids if self.slot_ids is not None else self.info.request_ids
+        return [rid for rid, a in zip(ids, self.active, strict=True) if a]
 
     @property
     def batch_size(self) -> int:

@@ -22,7 +22,9 @@ def test_bench_rows(tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest
         ("ddtree", 16),
     ]
     assert rows[0]["tau"] is None and rows[1]["tau"] == 1.0
-    assert len({r["new_tokens"] for r in rows}) == 1, "every method, HF generate too, emits as many tokens"
+    assert rows[0]["token_ids"] == rows[1]["token_ids"], "our ar equals HF generate, token for token"
+    assert all(r["token_ids"] == rows[0]["token_ids"] for r in rows), "every method emits the same tokens"
+    assert [len(t) for t in rows[0]["token_ids"]] == [8, 8, 8] and rows[0]["new_tokens"] == 24
     table = capsys.readouterr().out
     assert "vs ar" in table and "vs hf" in table and "hf generate" in table
 
@@ -77,3 +79,15 @@ def test_bench_tree_build_times_the_torch_path_on_cpu(capsys: pytest.CaptureFixt
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1]) for r in rows] == [("1", "32"), ("1", "256"), ("32", "32"), ("32", "256")]
     assert all(float(r[2]) > 0 and r[3] == "-" for r in rows), "torch timed; no fused path without a GPU"
+
+
+def test_bench_writes_a_cost_curve_that_advise_reads(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    from telemetry.advise import read_cost
+
+    target, drafter = tiny_dirs
+    cost = tmp_path / "cost.json"
+    argv = ["bench", "--model", str(target), "--drafter", str(drafter), "--methods", "ar,ddtree", "--budgets", "2,16"]
+    assert main([*argv, "--limit", "2", "--max-new-tokens", "4", "--cost-curve", str(cost)]) == 0
+    curve = read_cost(cost)
+    assert [b for b, _ in curve.points] == [2, 16] and all(ms > 0 for _, ms in curve.points)
+    assert json.loads(cost.read_text())["batch_size"] == 1

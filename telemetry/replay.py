@@ -1,0 +1,198 @@
+"""Counterfactual acceptance: what smaller budgets and top-k caps would have accepted, from one logged run.
+
+Why it is exact at T=0 (DDTree's tree is the B most probable prefixes):
+- nodes are numbered by decreasing probability, so the tree of a budget B' <= B is nodes 1..B' of the
+  logged tree, and the target's token at a node depends only on the node's prefix. Budget B' would have
+  accepted the accepted-path nodes with index <= B' (path indices grow with depth, so they are a prefix);
+- a node's rank at its depth (its place among its siblings, which are the better tokens of the drafter's
+  distribution at that depth) tells whether a top-k cap k' keeps it: the (B', k') tree is the first B' nodes
+  among those whose ranks on the whole path are all below k'. When fewer than B' logged nodes pass the cap
+  and the logged tree was full, the replay is a lower bound (the rest of that tree was never built).
+
+The same holds for the first step of a request only as far as the steps are the same: after a different
+acceptance the contexts differ, so over whole requests the replay is an estimate (the tests say how close).
+
+Glossary
+- path: the accepted draft nodes' indices (1-based, root excluded), from depth 1 down.
+- ranks: per draft node 1..n, the largest 0-based sibling rank on its path (its "path rank").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from telemetry.hooks import RequestResult
+from telemetry.stats import StepStats
+
+
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], path_tokens: Sequence[int]) -> list[int]:
+    """Node indices of the path that `path_tokens` (the accepted drafts, in order) walks down the tree.
+    Siblings carry distinct tokens, so the walk is unique; it stops at the first token with no such child."""
+    children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if i > 0 and p >= 0}
+    path: list[int] = []
+    node = 0
+    for token in path_tokens:
+        child = children.get((node, token))
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
+def path_ranks(parents: Sequence[int]) -> list[int]:
+    """Per draft node 1..n: the largest sibling rank (0 = its parent's most probable child) on its path.
+    Nodes come in order of decreasing probability, so a node's rank is the number of siblings before it."""
+    best = [0] * len(parents)
+    children = [0] * len(parents)
+    count = 0
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if p < 0:  # padding: the real nodes are 1..n
+            break
+        best[i] = max(children[p], best[p])
+        children[p] += 1
+        count = i
+    return best[1 : count + 1]
+
+
+def replay_accepted(
+    path: Sequence[int], budget: int, ranks: Sequence[int] | None = None, topk: int | None = None
+) -> int:
+    """Accepted drafts of one step had the tree been built with `budget` (<= the logged one) and `topk`."""
+    if topk is None:
+        return sum(1 for node in path if node <= budget)
+    if ranks is None:
+        raise ValueError("a top-k replay needs the nodes' ranks")
+    accepted, kept = 0, 0
+    position = {}
+    for node in range(1, (max(path) if path else 0) + 1):
+        if ranks[node - 1] < topk:
+            kept += 1
+            position[node] = kept
+    for node in path:
+        if position.get(node, budget + 1) > budget:
+            break
+        accepted += 1
+    return accepted
+
+
+def replay_is_exact(ranks: Sequence[int], logged_budget: int, budget: int, topk: int | None) -> bool:
+    """Whether `replay_accepted` is exact for this step, not a lower bound: the logged tree holds every prefix
+    (fewer nodes than its budget), or the cap keeps at least `budget` of its nodes."""
+    if topk is None or topk >= budget or len(ranks) < logged_budget:
+        return True
+    return sum(1 for r in ranks if r < topk) >= budget
+
+
+def topk_grid(budget: int) -> tuple[int, ...]:
+    """The caps replayed for a logged budget: 1, 2, 4, ... below it."""
+    return tuple(1 << i for i in range(max(budget - 1, 0).bit_length()) if 1 << i < budget)
+
+
+@dataclass
+class ReplayTable:
+    """Streaming replay of one logged configuration: histograms only, so memory does not grow with steps.
+
+    `hist[j]`: accepted-path nodes with index j; `capped[c, j]`: path nodes at place j among the nodes that
+    cap `topks[c]` keeps (steps with ranks only); `kept[c, m]`: ranked steps with a full tree (as many nodes
+    as the budget) where the cap kept m nodes."""
+
+    budget: int
+    topks: tuple[int, ...]
+    steps: int = 0
+    ranked_steps: int = 0
+    partial_trees: int = 0  # ranked steps whose tree had fewer nodes than the budget: every prefix was in it
+    hist: npt.NDArray[np.int64] = field(init=False)
+    capped: npt.NDArray[np.int64] = field(init=False)
+    kept: npt.NDArray[np.int64] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hist = np.zeros(self.budget + 1, dtype=np.int64)
+        self.capped = np.zeros((len(self.topks), self.budget + 1), dtype=np.int64)
+        self.kept = np.zeros((len(self.topks), self.budget + 1), dtype=np.int64)
+
+    def add(self, path: Sequence[int], ranks: Sequence[int] | None = None) -> None:
+        nodes = np.minimum(np.asarray(path, dtype=np.int64), self.budget)  # [path length]
+        np.add.at(self.hist, nodes, 1)
+        self.steps += 1
+        if ranks is None or not self.topks:
+            return
+        self.ranked_steps += 1
+        rank = np.asarray(ranks, dtype=np.int64)[: self.budget]  # [n]
+        keep = rank[None, :] < np.asarray(self.topks)[:, None]  # [caps, n]
+        place = np.cumsum(keep, axis=1)  # [caps, n]
+        if len(rank) < self.budget:
+            self.partial_trees += 1
+        else:
+            self.kept[np.arange(len(self.topks)), place[:, -1]] += 1
+        if len(nodes):
+            on = keep[:, nodes - 1]  # [caps, path length]; path ranks only grow along a path: a prefix is kept
+            cap_rows, cols = np.nonzero(on)
+            np.add.at(self.capped, (cap_rows, place[cap_rows, nodes[cols] - 1]), 1)
+
+    def tau(self, budget: int, topk: int | None = None) -> float | None:
+        """Mean accepted drafts + 1 per request-step under (`budget`, `topk`); None without the data."""
+        if topk is None or topk >= budget:  # a cap of at least B' keeps every node of a B'-node tree
+            return 1 + float(self.hist[1 : budget + 1].sum()) / self.steps if self.steps else None
+        if not self.ranked_steps or topk not in self.topks:
+            return None
+        row = self.capped[self.topks.index(topk)]
+        return 1 + float(row[1 : budget + 1].sum()) / self.ranked_steps
+
+    def exact_share(self, budget: int, topk: int | None = None) -> float:
+        """Share of the replayed steps that are exact (not a lower bound) under (`budget`, `topk`)."""
+        if topk is None or topk >= budget:
+            return 1.0
+        if not self.ranked_steps or topk not in self.topks:
+            return 0.0
+        short = int(self.kept[self.topks.index(topk), :budget].sum())  # full trees with fewer than B' kept
+        return 1.0 - short / self.ranked_steps
+
+
+@dataclass
+class _RequestSteps:
+    steps: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    parents: list[list[int]] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+
+
+class PathTracker:
+    """Finds each step's accepted path once its request ends (in the exporter process, off the decode loop).
+
+    A step's accepted drafts are the request's output tokens that the step emitted, so the trees' tokens and
+    parents, kept until then, give the node indices with no copy of the engine's path from the device."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _RequestSteps] = {}
+
+    def add(self, stats: StepStats) -> None:
+        if stats.tokens is None or stats.parents is None or stats.tokens.shape[1] <= 1:
+            return
+        for row, rid in enumerate(stats.row_ids):
+            if rid is None:
+                continue
+            entry = self.requests.setdefault(rid, _RequestSteps())
+            entry.steps.append(stats.step)
+            entry.tokens.append(stats.tokens[row].tolist())
+            entry.parents.append(stats.parents[row].tolist())
+            entry.emitted.append(stats.emitted[row])
+
+    def finish(self, result: RequestResult) -> tuple[list[int], list[list[int]]] | None:
+        """(steps, accepted paths) of a request that ended; None when steps of it were not all seen."""
+        entry = self.requests.pop(result.request_id, None)
+        if entry is None or len(entry.steps) != len(result.acceptance_lengths):
+            return None
+        offset = 1  # the first output token comes from the prefill
+        paths = []
+        for tokens, parents, length, emitted in zip(
+            entry.tokens, entry.parents, result.acceptance_lengths, entry.emitted, strict=True
+        ):
+            paths.append(accepted_path(tokens, parents, result.output_tokens[offset : offset + length - 1]))
+            offset += emitted
+        return entry.steps, paths
