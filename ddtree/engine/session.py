@@ -201,6 +201,31 @@ class DecodeSession:
         self._refresh_active()
         return ids
 
+    def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
+        """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), greedy and sampled,
+        so that compiling and capturing happen now rather than in the first real requests' steps. The
+        observer sees none of it. Call it on an empty session."""
+        if self.free_slots() != list(range(self.num_slots)):
+            raise ValueError("warm_up needs an empty session")
+        observer = self.observer
+        self.observer = self.runner.observer = NOOP
+        try:
+            for temperature in (0.0, 1.0):
+                n = 1
+                while True:
+                    n = min(n, self.num_slots)
+                    slots = self.join([Request([0] * prompt_tokens, new_tokens, temperature) for _ in range(n)])
+                    while self.has_active():
+                        self.step()
+                    self.drain()
+                    for slot in slots:
+                        self.leave(slot)
+                    if n == self.num_slots:
+                        break
+                    n *= 2
+        finally:
+            self.observer = self.runner.observer = observer
+
     def leave(self, slot: int, reason: str = "cancelled") -> RequestOutput:
         """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
         request that leaves before it finished (a stop string matched, the client went away)."""

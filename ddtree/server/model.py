@@ -69,7 +69,10 @@ class ServedModel:
     def new_session(self, slots: int) -> DecodeSession:
         """A fresh session of `slots` slots for requests of up to `max_model_len` tokens."""
         self.engine.sessions.clear()  # never hand out a session that a failed step may have left half-updated
-        return self.engine.session(self.generation, slots, self.max_model_len)
+        session = self.engine.session(self.generation, slots, self.max_model_len)
+        if session.cuda_graphs:  # compile and capture every row count now, not in the first requests' steps
+            session.warm_up()
+        return session
 
 
 def load_model(settings: ServerSettings) -> ServedModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ddtree.engine.decode import Engine, GenerationConfig
@@ -115,3 +117,42 @@ def test_steps_run_only_the_slots_up_to_the_last_one_decoding() -> None:
     while session.has_active():
         session.step()
     assert rows.rows[0] == 3, "a power of two past the last slot decoding, at most the session's slots"
+
+
+def test_warm_up_leaves_an_empty_session_whose_requests_are_their_own() -> None:
+    """The server warms a session before serving: every row count runs, the observer sees none of it, and the
+    requests that follow get the tokens they would get from a fresh session (at T=0 and seeded T>0)."""
+    from telemetry.hooks import NoopObserver
+
+    class Calls(NoopObserver):
+        def __init__(self) -> None:
+            self.rows: list[int] = []
+
+        def on_step_start(self, step: int, batch_size: int) -> None:
+            self.rows.append(batch_size)
+
+    target, drafter = tiny_pair(10, vocab=16, block_size=4)
+    calls = Calls()
+    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=calls)
+    seen: list[int] = []
+    original = session._rows
+
+    def rows(n: int) -> Any:
+        seen.append(n)
+        return original(n)
+
+    session._rows = rows  # type: ignore[method-assign]
+    session.warm_up()
+    assert calls.rows == [], "the observer saw the warm-up"
+    assert sorted(set(seen)) == [1, 2, 3], "every row count a step of 3 slots can have"
+    assert session.free_slots() == [0, 1, 2] and session.runner.observer is calls
+    with pytest.raises(ValueError, match="empty session"):
+        busy = DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=96)
+        busy.join([Request([1], 4)])
+        busy.warm_up()
+    engine = Engine(target, drafter)
+    for temperature, seed in ((0.0, 0), (0.9, 3)):
+        slot = session.join([Request([5, 6, 7], 12, temperature, seed)])[0]
+        while session.has_active():
+            session.step()
+        assert session.leave(slot).token_ids == _alone(engine, [5, 6, 7], "ddtree", 12, temperature, seed)
