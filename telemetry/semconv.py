@@ -100,10 +100,10 @@ PROM_STAGE_DURATION_SECONDS: Final = "ddtree_stage_duration_seconds"
 PROM_HTTP_REQUESTS_TOTAL: Final = "ddtree_http_requests_total"
 PROM_HTTP_REQUEST_DURATION_SECONDS: Final = "ddtree_http_request_duration_seconds"
 PROM_TIME_TO_FIRST_TOKEN_SECONDS: Final = (
-    "ddtree_time_to_first_token_seconds"  # OTel: gen_ai.server.time_to_first_token
+    "gen_ai_server_time_to_first_token_seconds"  # OTel GenAI: gen_ai.server.time_to_first_token
 )
 PROM_TIME_PER_OUTPUT_TOKEN_SECONDS: Final = (
-    "ddtree_time_per_output_token_seconds"  # gen_ai.server.time_per_output_token
+    "gen_ai_server_time_per_output_token_seconds"  # gen_ai.server.time_per_output_token
 )
 PROM_GENERATED_TOKENS_TOTAL: Final = "ddtree_generated_tokens_total"
 PROM_WAITING_REQUESTS: Final = "ddtree_waiting_requests"

@@ -3,8 +3,8 @@
 - `ddtree_http_requests_total{endpoint, status}` and `ddtree_http_request_duration_seconds{endpoint}`: every
   HTTP request, counted when its response ends (a stream: when its last chunk is sent or the client goes);
   paths other than the server's routes are counted as endpoint `other`.
-- `ddtree_time_to_first_token_seconds{endpoint}`: from the handler's start to the prefill's first token.
-- `ddtree_time_per_output_token_seconds{endpoint}`: per request of two or more tokens, the time after the
+- `gen_ai_server_time_to_first_token_seconds{endpoint}`: from the handler's start to the prefill's first token.
+- `gen_ai_server_time_per_output_token_seconds{endpoint}`: per request of two or more tokens, the time after the
   first token over the tokens after it (OTel GenAI's `gen_ai.server.time_per_output_token`).
 - `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response (`usage`), stop strings
   and disconnects included up to where the response ended.
