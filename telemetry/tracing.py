@@ -2,7 +2,8 @@
 
 A request span (`ddtree.request`, with `gen_ai.*` attributes) is open while its batch decodes. A step
 span (`ddtree.step`) has one child per stage. When one request runs alone its request span parents the
-step spans; when a batch runs, each step span links to the request spans of the batch.
+step spans; when a batch runs, each step span links to the request spans of the batch, and each request
+span to the step spans that served it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class TraceSink:
                 sc.ATTR_MEAN_ACCEPTANCE: mean_acceptance_length(lengths) or 0.0,
             },
         )
+        if links:  # and each request links to the steps that served it (the SDK keeps up to 128 links a span)
+            for span in spans:
+                span.add_link(step_span.get_span_context())
         if step_span.is_recording():  # a step the sampler left out costs no stage spans either
             parent = trace.set_span_in_context(step_span)
             for stage, (start, end) in stats.stage_ns.items():

@@ -1,53 +1,14 @@
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import pandas as pd
 import pytest
-import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import captured_telemetry
-
-SYNCING = ("item", "tolist", "cpu", "__int__", "__float__", "__bool__", "__index__")
-
-
-@pytest.fixture
-def telemetry_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records every syncing tensor read made from inside the `telemetry` package."""
-    calls: list[str] = []
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("telemetry"):
-                calls.append(f"{caller}: Tensor.{_name}")
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, name, wrapper)
-    original_sync = torch.cuda.synchronize
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("cuda.synchronize") or original_sync(*a))
-    return calls
-
-
-def test_the_recorder_catches_a_host_read_from_telemetry(telemetry_host_reads: list[str]) -> None:
-    scope = {"__name__": "telemetry.fake", "torch": torch}
-    exec("torch.ones(2).tolist()", scope)
-    assert telemetry_host_reads == ["telemetry.fake: Tensor.tolist"]
-
-
-def test_telemetry_makes_no_host_transfers(telemetry_host_reads: list[str]) -> None:
-    target, drafter = tiny_pair(0, vocab=16)
-    captured = captured_telemetry()
-    Engine(target, drafter, observer=captured.collector).generate(
-        random_prompts(0, 3, vocab=16), GenerationConfig(method="ddtree", budget=8, max_new_tokens=12)
-    )
-    assert captured.log_lines(), "telemetry ran"
-    assert telemetry_host_reads == []
 
 
 @pytest.mark.parametrize(
@@ -100,6 +61,9 @@ def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: in
         else:
             linked = {link.context.span_id for link in step.links}  # the requests that decoded in this step
             assert batch > 1 and linked and linked <= request_ids
+            for request in by_name[sc.SPAN_REQUEST]:  # and the requests link back to the steps that served them
+                back = {link.context.span_id for link in request.links}
+                assert (step.context.span_id in back) == (request.context.span_id in linked)
         assert step.attributes[sc.ATTR_METHOD] == method
         assert step.start_time <= step.end_time
     usage = sorted(s.attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] for s in by_name[sc.SPAN_REQUEST])
