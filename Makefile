@@ -6,7 +6,7 @@ PAIR ?= runs/tiny-pair
 
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup run demo-tiny test lint clean
+.PHONY: setup run demo-tiny test lint mutants clean
 
 $(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest tests
+
+# Break the code on purpose, one named mutation at a time in a temporary copy; every mutant must be killed.
+mutants: setup
+	$(BIN)/python scripts/mutants.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis

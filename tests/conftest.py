@@ -11,6 +11,7 @@ if os.environ.get("DDTREE_TEST_DEVICE", "cpu") == "cpu":
 import pytest
 
 from ddtree.cli import main
+from tests.tools import MISSING_TOOL
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +22,16 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     assert main(["models", "init-tiny", "--out", str(target), "--hidden-size", "32", "--num-layers", "2"]) == 0
     assert main(["drafter", "init", "--target", str(target), "--out", str(drafter), "--block-size", "5"]) == 0
     return target, drafter
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line, just above pytest's own summary, naming the tools whose tests were skipped."""
+    tools: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+        if MISSING_TOOL in reason:
+            tool = reason.split(MISSING_TOOL, 1)[1].split()[0]
+            tools[tool] = tools.get(tool, 0) + 1
+    if tools:
+        listed = ", ".join(f"{tool} ({n} skipped)" for tool, n in sorted(tools.items()))
+        terminalreporter.write_line(f"tests skipped for missing tools: {listed}", yellow=True, bold=True)

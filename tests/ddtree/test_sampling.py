@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.sampling import choose_tokens, counter_uniform
-from tests.helpers import tiny_pair
+from tests.helpers import random_prompts, tiny_pair
 
 VOCAB = 8
 PROMPT = [1, 2, 3]
@@ -64,15 +64,29 @@ def test_ddtree_samples_the_target_distribution_at_its_temperature(temperature: 
         assert pooled_chisquare(count12.ravel(), joint(wrong)[0].ravel()) < 1e-3, wrong
 
 
-def test_sampling_is_seeded() -> None:
+@pytest.mark.parametrize("temperature", [0.5, 0.8, 2.0])
+def test_sampling_is_seeded(temperature: float) -> None:
+    """A batch of 3 samples the same tokens again with the same seed, in the same engine or a new one."""
     target, drafter = tiny_pair(2, vocab=16, block_size=4)
     engine = Engine(target, drafter)
-    cfg = GenerationConfig(method="ddtree", budget=8, temperature=0.8, seed=9, max_new_tokens=20)
-    a = engine.generate([[1, 2], [3]], cfg)
-    b = engine.generate([[1, 2], [3]], cfg)
-    c = engine.generate([[1, 2], [3]], GenerationConfig(**{**cfg.__dict__, "seed": 10}))
-    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    cfg = GenerationConfig(method="ddtree", budget=8, temperature=temperature, seed=9, max_new_tokens=20)
+    a = engine.generate(prompts, cfg)
+    b = engine.generate(prompts, cfg)
+    fresh = Engine(target, drafter).generate(prompts, cfg)
+    c = engine.generate(prompts, GenerationConfig(**{**cfg.__dict__, "seed": 10}))
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs] == [o.token_ids for o in fresh.outputs]
     assert [o.token_ids for o in a.outputs] != [o.token_ids for o in c.outputs]
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_a_small_temperature_decodes_the_greedy_tokens_of_a_batch(method: str) -> None:
+    target, drafter = tiny_pair(6, vocab=16, block_size=5)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(6, 3, vocab=16)
+    greedy = engine.generate(prompts, GenerationConfig(method=method, budget=8, max_new_tokens=20))
+    cold = GenerationConfig(method=method, budget=8, temperature=1e-3, seed=1, max_new_tokens=20)
+    assert [o.token_ids for o in engine.generate(prompts, cold).outputs] == [o.token_ids for o in greedy.outputs]
 
 
 def test_a_request_samples_the_same_tokens_whatever_else_is_in_the_batch() -> None:

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from ddtree.engine.decode import Engine, GenerationConfig
+from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
+from tests import tools
+from tests.helpers import random_prompts, tiny_pair
+from tests.telemetry.live import dead_endpoint, scrape_until, total
 from tests.telemetry.otlp_receiver import OtlpReceiver
+
+SHUTDOWN_PROMISE_S = 3.0  # `Telemetry.shutdown` bounds the whole of it (README: "shutdown is bounded (3 s)")
+SHUTDOWN_MARGIN_S = 1.5  # a loaded machine; without the bound, a silent endpoint holds it for 5 s and more
 
 
 def ddtree(pair: tuple[Path, Path], env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
@@ -22,7 +32,7 @@ def ddtree(pair: tuple[Path, Path], env: dict[str, str], *extra: str) -> subproc
     args = ["generate", "--model", str(target), "--drafter", str(drafter), "--max-new-tokens", "10", "--json"]
     full_env = {**os.environ, "DDTREE_DEBUG_METRICS": "1", "OTEL_METRICS_EXPORTER": "none", **env}
     return subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", *args, *extra], capture_output=True, text=True, env=full_env, timeout=120
+        [sys.executable, "-m", "ddtree.cli", *args, *extra], capture_output=True, text=True, env=full_env, timeout=60
     )
 
 
@@ -61,31 +71,42 @@ def test_spans_reach_a_real_otlp_receiver(tiny_dirs: tuple[Path, Path], tmp_path
     accepted = sum(s.attributes[sc.ATTR_ACCEPTED_TOKENS] for s in steps)
     assert accepted == sum(a - 1 for a in output["acceptance_lengths"])
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    if shutil.which("jq"):
-        jq = subprocess.run(["jq", "-c", ".event", str(log)], capture_output=True, text=True, check=True)
-        assert len(jq.stdout.splitlines()) == len(lines)
     assert {line["trace_id"] for line in lines if line["event"] == sc.EVENT_STEP} == {request.trace_id}
 
 
-def test_an_unreachable_endpoint_does_not_break_decoding(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    with socket.socket() as sock:  # a port that nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_an_unreachable_endpoint_costs_no_tokens_and_its_drops_are_counted_and_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export (and fail) while decoding, not only at exit
     log = tmp_path / "log.jsonl"
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "DDTREE_LOG_FILE": str(log),
-    }
-    plain = ddtree(tiny_dirs, {"DDTREE_DEBUG_METRICS": "0"}, "--prompt", "x")
-    proc = ddtree(tiny_dirs, env, "--prompt", "x")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
-    dropped = [json.loads(line) for line in log.read_text().splitlines() if '"dropped"' in line]
-    assert len(dropped) <= 1, "a failing exporter is logged once"
+    config = TelemetryConfig(
+        enabled=True,
+        otlp_protocol="http/protobuf",
+        otlp_endpoint=dead_endpoint(),
+        metrics_exporter="prometheus",
+        prometheus_port=0,
+        log_file=str(log),
+    )
+    target, drafter = tiny_pair(6, vocab=16)
+    prompts, generation = random_prompts(6, 2, vocab=16), GenerationConfig(budget=8, max_new_tokens=12)
+    plain = Engine(target, drafter).generate(prompts, generation)
+    telemetry = start_telemetry(config)
+    try:
+        result = Engine(target, drafter, observer=telemetry.observer).generate(prompts, generation)
+        spans = result.steps * (1 + len(sc.STAGES)) + len(prompts)  # a step span, its stages; a request span
+        dropped = sc.METRIC_DROPPED_SPANS + "_total"
+        samples = scrape_until(telemetry.prometheus_port, lambda s: total(s, dropped) >= spans)
+    finally:
+        telemetry.shutdown()
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in plain.outputs]
+    assert total(samples, dropped) == spans, "every span that could not be exported is counted"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len([x for x in lines if x.get("spans") == "dropped"]) == 1, "a failing exporter is logged once"
 
 
-def test_a_silent_endpoint_cannot_hang_the_exit(tiny_dirs: tuple[Path, Path]) -> None:
+@contextlib.contextmanager
+def silent_endpoint() -> Iterator[tuple[str, list[socket.socket]]]:
+    """An endpoint that accepts connections and never answers; its URL and the connections it took."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
@@ -102,18 +123,58 @@ def test_a_silent_endpoint_cannot_hang_the_exit(tiny_dirs: tuple[Path, Path]) ->
 
     threading.Thread(target=accept_and_say_nothing, daemon=True).start()
     try:
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.getsockname()[1]}",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        }
-        proc = ddtree(tiny_dirs, env, "--prompt", "x")  # the subprocess timeout (120 s) fails the test if it hangs
-        assert proc.returncode == 0, proc.stderr
-        assert len(json.loads(proc.stdout)["token_ids"]) == 10
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
     finally:
         stop.set()
         server.close()
         for conn in accepted:
             conn.close()
+
+
+def test_shutdown_with_a_silent_endpoint_keeps_its_promised_bound(tmp_path: Path) -> None:
+    """The exporter is stuck sending to an endpoint that never answers; `shutdown` returns within the 3 s it
+    promises (plus a margin for a loaded machine), not after the SDK's export timeout and retries."""
+    with silent_endpoint() as (url, accepted):
+        config = TelemetryConfig(
+            enabled=True,
+            otlp_protocol="http/protobuf",
+            otlp_endpoint=url,
+            metrics_exporter="none",
+            log_file=str(tmp_path / "log.jsonl"),
+        )
+        telemetry = start_telemetry(config)
+        target, drafter = tiny_pair(6, vocab=16)
+        Engine(target, drafter, observer=telemetry.observer).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=8))
+        started = time.monotonic()
+        telemetry.shutdown()
+        took = time.monotonic() - started
+        assert accepted, "the exporter did reach the silent endpoint"
+    assert took < SHUTDOWN_PROMISE_S + SHUTDOWN_MARGIN_S, f"shutdown took {took:.1f} s"
+
+
+def test_a_silent_endpoint_cannot_hang_the_exit(tiny_dirs: tuple[Path, Path]) -> None:
+    with silent_endpoint() as (url, _):
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+        proc = ddtree(tiny_dirs, env, "--prompt", "x")  # the subprocess timeout fails the test if it hangs
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 10
+
+
+@tools.JQ
+def test_step_logs_read_with_jq(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    log = tmp_path / "steps.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "none", "DDTREE_LOG_FILE": str(log)}
+    proc = ddtree(tiny_dirs, env, "--prompt", "one", "--budget", "8")
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads(proc.stdout)["steps"]
+    jq = subprocess.run(
+        ["jq", "-c", f'select(.event == "{sc.EVENT_STEP}") | .emitted | add', str(log)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    emitted = [int(x) for x in jq.stdout.split()]
+    assert len(emitted) == steps and sum(emitted) + 1 == 10, "every step line, and the tokens they emitted"
 
 
 def test_an_unwritable_log_file_is_a_clear_error(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from telemetry import TelemetryConfig, TelemetryConfigError, start_telemetry
@@ -22,11 +23,18 @@ def logged(tmp_path: Path) -> TelemetryConfig:
 
 
 def test_every_step_reaches_the_exporter_process(tmp_path: Path) -> None:
+    """With a core left to it: the exporter runs at idle priority, so on a machine whose every core decodes it
+    may get no CPU at all, fall behind, and have steps dropped by design (the next test)."""
     target, drafter = tiny_pair(3, vocab=16)
     telemetry = start_telemetry(logged(tmp_path))
     engine = Engine(target, drafter, observer=telemetry.observer)
     config = GenerationConfig(budget=8, max_new_tokens=40)
-    results = [engine.generate(random_prompts(seed, 3, vocab=16), config) for seed in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = [engine.generate(random_prompts(seed, 3, vocab=16), config) for seed in range(2)]
+    finally:
+        torch.set_num_threads(threads)
     telemetry.shutdown()
     lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     steps = [line for line in lines if line["event"] == sc.EVENT_STEP]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -12,12 +11,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from ddtree.engine.decode import Engine, GenerationConfig
 from telemetry import semconv as sc
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig
+from tests import tools
 from tests.helpers import random_prompts, tiny_pair
 
 PROMETHEUS = shutil.which("prometheus")
@@ -38,7 +36,7 @@ def _query(port: int, promql: str) -> list[dict[str, object]]:
     return result
 
 
-@pytest.mark.skipif(PROMETHEUS is None and not os.environ.get("CI"), reason="Debian's prometheus is not installed")
+@tools.PROMETHEUS
 def test_prometheus_scrapes_the_counts(tmp_path: Path) -> None:
     assert PROMETHEUS is not None, "CI must install Debian's prometheus"
     config = TelemetryConfig(

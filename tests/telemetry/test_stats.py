@@ -8,6 +8,7 @@ import torch
 from ddtree.tree import build_tree
 from telemetry.hooks import GenerateInfo
 from telemetry.stats import StepStats
+from tests.telemetry.test_reconcile import walked_depth
 
 INFO = GenerateInfo("ddtree", 10, 2, 0.0, 8, 0, ["a", "b", "c"], [[1], [2], [3]])
 
@@ -27,11 +28,15 @@ def test_counts_from_depths_match_a_walk_over_the_tree(seed: int) -> None:
     accepted = [0, 2, 3]
     stats = _stats(tree.depths, accepted)
 
-    nodes = [int(n) for n in tree.num_nodes]
+    # Independent of the depth field and of `num_nodes`: a node is a slot with a parent, its depth is the
+    # number of hops up to the root.
     per_depth = [0] * tree.width
-    for b, count in enumerate(nodes):
-        for slot in range(1, count + 1):
-            per_depth[int(tree.depths[b, slot])] += 1
+    nodes = []
+    for row in tree.parents.tolist():
+        drafts = [slot for slot, parent in enumerate(row) if parent >= 0]
+        nodes.append(len(drafts))
+        for slot in drafts:
+            per_depth[walked_depth(row, slot)] += 1
     assert stats.tree_nodes == nodes
     assert stats.nodes_per_depth == per_depth
     assert stats.accepted_per_depth == [0, 2, 2, 1] + [0] * (tree.width - 4)

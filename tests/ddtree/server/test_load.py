@@ -19,6 +19,7 @@ import pytest
 from ddtree.server.app import create_app
 from ddtree.server.model import ServedModel
 from telemetry import semconv as sc
+from tests import tools
 from tests.ddtree.server.conftest import settings_for
 from tests.ddtree.server.support import alone, encode, live_server, wait_until
 from tests.telemetry import test_prometheus as prom
@@ -112,7 +113,7 @@ def test_32_clients_get_their_solo_greedy_outputs_and_the_counters_reconcile(
     assert samples[f'{sc.PROM_TIME_PER_OUTPUT_TOKEN_SECONDS}_count{{endpoint="/v1/completions"}}'] == longer
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus binary is not installed")
+@tools.PROMETHEUS
 def test_prometheus_scraping_during_the_load_sees_the_tokens_served(
     server_url: str, cases: list[Case], tmp_path: Path
 ) -> None:

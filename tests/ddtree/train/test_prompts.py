@@ -6,6 +6,7 @@ from importlib import resources
 
 from ddtree.bench import heldout_prompts
 from ddtree.train.prompts import TOPIC_TEMPLATES, WORD_LISTS, training_prompts
+from tests import tools
 
 
 def test_heldout_set_mixes_kinds_and_is_not_trained_on() -> None:
@@ -24,6 +25,10 @@ def test_training_prompts_are_distinct_deterministic_and_mixed() -> None:
     assert a == b and a != c
     assert len(set(a)) == len(a) == 3000
     assert sum("`" in p for p in a) > 500, "code prompts from the standard library"
-    if any(p.is_file() for p in WORD_LISTS):
-        stems = [t.split("{word}")[0] for t in TOPIC_TEMPLATES]
-        assert sum(p.startswith(tuple(stems)) for p in a) > 500, "topic prompts from the word list"
+
+
+@tools.WORD_LIST
+def test_training_prompts_draw_topics_from_the_word_list() -> None:
+    assert any(p.is_file() for p in WORD_LISTS)
+    stems = [t.split("{word}")[0] for t in TOPIC_TEMPLATES]
+    assert sum(p.startswith(tuple(stems)) for p in training_prompts(3000, seed=1)) > 500

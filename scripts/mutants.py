@@ -1,0 +1,349 @@
+"""`make mutants`: break the code on purpose, one named mutation at a time, and check that a test notices.
+
+Each mutant replaces a piece of source text (or a few, for one idea) in one file of a fresh temporary copy of the
+project, runs the tests that should catch it (with `-x`), and is reported as killed, with the first test
+that failed, or survived. The unmutated copy runs the same tests first: they must pass, or nothing below
+means anything. Exit status 0 only when every mutant is killed.
+
+    python scripts/mutants.py            # all of them
+    python scripts/mutants.py --list     # names and what each breaks
+    python scripts/mutants.py --only sampling-temperature-twice --only kv-keys-not-compacted
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    edits: tuple[tuple[str, str], ...]  # (old, new): each old occurs exactly once in the file
+    tests: tuple[str, ...]
+
+
+TREE = ("tests/ddtree/test_tree.py",)
+LOSSLESS = ("tests/ddtree/test_verify.py", "tests/ddtree/test_kv_cache.py", "tests/ddtree/engine/test_lossless.py")
+SAMPLING = ("tests/ddtree/test_sampling.py",)
+FLOOR = ("tests/ddtree/models/test_acceptance_floor.py",)
+RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collector.py")
+ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
+
+
+def _mutants() -> list[Mutant]:
+    return [
+        Mutant(
+            "tree-prefix-not-a-product",
+            "a prefix scores by its last token alone, not the product along its path",
+            "ddtree/tree.py",
+            (
+                (
+                    "cand = level_lp[:, :, None] + top_lp[:, d, None, :]",
+                    "cand = 0 * level_lp[:, :, None] + top_lp[:, d, None, :]",
+                ),
+            ),
+            TREE,
+        ),
+        Mutant(
+            "tree-one-candidate-per-depth",
+            "top-k forced to 1: the tree degenerates to a chain",
+            "ddtree/tree.py",
+            (("k = min(budget, vocab) if topk is None else topk", "k = 1 if topk is None else topk"),),
+            TREE,
+        ),
+        Mutant(
+            "mask-parent-only",
+            "the tree mask without the ancestor closure: a node sees its parent and itself only",
+            "ddtree/verify.py",
+            (("    while hops < width:", "    while hops < 1:"),),
+            LOSSLESS,
+        ),
+        Mutant(
+            "verify-flat-positions",
+            "every tree node verified at the root's position instead of start + depth",
+            "ddtree/engine/session.py",
+            (
+                (
+                    "positions = r.cache.lengths[:, None] + tree.depths",
+                    "positions = r.cache.lengths[:, None] + 0 * tree.depths",
+                ),
+            ),
+            LOSSLESS,
+        ),
+        Mutant(
+            "accept-on-own-match",
+            "a node is accepted when its own token matches, whatever happened to its ancestors",
+            "ddtree/verify.py",
+            (("accepted_nodes = ~(ancestors & ~match[:, None, :]).any(dim=-1)", "accepted_nodes = match.clone()"),),
+            LOSSLESS,
+        ),
+        Mutant(
+            "accept-bonus-at-root",
+            "the bonus token is the target's choice at the root, not after the last accepted node",
+            "ddtree/verify.py",
+            (("bonus = target_tokens.gather(1, last).squeeze(1)", "bonus = target_tokens[:, 0]"),),
+            LOSSLESS,
+        ),
+        Mutant(
+            "kv-keys-not-compacted",
+            "the accept step compacts the values to the accepted path but leaves the keys where they were",
+            "ddtree/kv_cache.py",
+            (("for store in (self.keys, self.values):", "for store in (self.values,):"),),
+            LOSSLESS,
+        ),
+        Mutant(
+            "kv-commits-one-more",
+            "the cache commits one token more than was accepted",
+            "ddtree/kv_cache.py",
+            (("self.lengths += advance", "self.lengths += advance + (advance > 0).long()"),),
+            LOSSLESS,
+        ),
+        Mutant(
+            "sampling-temperature-twice",
+            "logits divided by the temperature twice (the same as once at T = 1)",
+            "ddtree/sampling.py",
+            (
+                (
+                    "torch.softmax(logits.float() / scale, dim=-1)",
+                    "torch.softmax(logits.float() / scale / scale, dim=-1)",
+                ),
+            ),
+            SAMPLING,
+        ),
+        Mutant(
+            "sampling-temperature-ignored",
+            "logits not divided by the temperature at all",
+            "ddtree/sampling.py",
+            (("torch.softmax(logits.float() / scale, dim=-1)", "torch.softmax(logits.float(), dim=-1)"),),
+            SAMPLING,
+        ),
+        Mutant(
+            "drafter-context-wrong-rows",
+            "the drafter gets the target features of the first tree nodes, not of the accepted path (lossless)",
+            "ddtree/engine/session.py",
+            (
+                (
+                    "index = result.path[:, :, None].expand(-1, -1, features.shape[-1])",
+                    "index = torch.arange(result.path.shape[1])[None, :, None].expand("
+                    "result.path.shape[0], -1, features.shape[-1])",
+                ),
+            ),
+            FLOOR,
+        ),
+        Mutant(
+            "log-nodes-per-depth-shifted",
+            "the step log's nodes_per_depth starts at depth 0",
+            "telemetry/logging.py",
+            (("stats.nodes_per_depth[1 : depth + 1]", "stats.nodes_per_depth[0:depth]"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "log-accepted-per-depth-shifted",
+            "the step log's accepted_per_depth starts at depth 0",
+            "telemetry/logging.py",
+            (("stats.accepted_per_depth[1 : depth + 1]", "stats.accepted_per_depth[0:depth]"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "metric-nodes-per-depth-off-by-one",
+            "ddtree_tree_nodes_per_depth_total{depth=d} counts the nodes of depth d-1",
+            "telemetry/metrics.py",
+            (("+= stats.nodes_per_depth[depth]", "+= stats.nodes_per_depth[depth - 1]"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "metric-tree-size-histogram-off-by-one",
+            "the ddtree_tree_nodes histogram records one node more than the tree has",
+            "telemetry/metrics.py",
+            (("self.tree_nodes.record(nodes, attributes)", "self.tree_nodes.record(nodes + 1, attributes)"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "metric-served-name-renamed",
+            "the steps counter served under another name than the dashboards query",
+            "telemetry/semconv.py",
+            (('METRIC_STEPS: Final = "ddtree_steps"', 'METRIC_STEPS: Final = "ddtree_decode_steps"'),),
+            ("tests/dashboards/test_dashboards.py",),
+        ),
+        Mutant(
+            "span-mean-acceptance-off-by-one",
+            "the step span's mean acceptance length forgets the bonus token",
+            "telemetry/tracing.py",
+            (("lengths = [n + 1 for n in stats.accepted]", "lengths = [n for n in stats.accepted]"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "stage-times-whole-step",
+            "every stage reported with its whole step's start and end",
+            "telemetry/collector.py",
+            (("stage_ns={s: (wall[i], wall[j])", "stage_ns={s: (wall[0], wall[-1])"),),
+            RECONCILE,
+        ),
+        Mutant(
+            "exporter-loses-last-group",
+            "the decode process does not send the steps it holds when requests end",
+            "telemetry/process.py",
+            (('        self._send_steps()\n        self._send(("end"', '        self._send(("end"'),),
+            ("tests/telemetry/test_process.py",),
+        ),
+        Mutant(
+            "otlp-drops-counted-per-batch",
+            "a failed span export counts one drop per batch instead of one per span",
+            "telemetry/setup.py",
+            (("self.counter.add(len(spans))", "self.counter.add(1)"),),
+            (
+                "tests/telemetry/test_export.py::test_an_unreachable_endpoint_costs_no_tokens_and_its_drops_are_counted_and_logged_once",
+            ),
+        ),
+        Mutant(
+            "shutdown-unbounded",
+            "shutdown waits for the exporter process however long a silent endpoint keeps it",
+            "telemetry/setup.py",
+            (("worker.join(timeout_s)", "worker.join()"),),
+            ("tests/telemetry/test_export.py::test_shutdown_with_a_silent_endpoint_keeps_its_promised_bound",),
+        ),
+        Mutant(
+            "nvml-power-in-milliwatts",
+            "the GPU power gauge reports NVML's milliwatts as watts",
+            "telemetry/nvml.py",
+            (("power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000", "power = nvml.nvmlDeviceGetPowerUsage(handle)"),),
+            ("tests/telemetry/test_nvml.py",),
+        ),
+        Mutant(
+            "zero-sync-blocking-depth-copy",
+            "the collector copies the tree's depths to the host with a blocking copy",
+            "telemetry/collector.py",
+            (("host.copy_(tree.depths, non_blocking=True)", "host.copy_(tree.depths, non_blocking=False)"),),
+            ZERO_SYNC,
+        ),
+        Mutant(
+            "zero-sync-accepted-from-device",
+            "the collector reads the accepted counts from the device result instead of the host copy",
+            "telemetry/collector.py",
+            (("self.started[step].accepted = accepted", "self.started[step].accepted = result.accepted.tolist()"),),
+            ZERO_SYNC,
+        ),
+        Mutant(
+            "zero-sync-synchronize-if-cuda",
+            "the collector waits for the device at every step end, behind torch.cuda.is_available()",
+            "telemetry/collector.py",
+            (
+                (
+                    "        record = self.started.pop(step)\n",
+                    "        record = self.started.pop(step)\n"
+                    "        if torch.cuda.is_available():\n"
+                    "            torch.cuda.synchronize()\n",
+                ),
+            ),
+            ZERO_SYNC,
+        ),
+    ]
+
+
+def _copy_project(dest: Path) -> None:
+    """Tracked files and untracked ones git does not ignore: the working tree as it is, without caches."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in listed)):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def _apply(project: Path, mutant: Mutant) -> None:
+    path = project / mutant.path
+    text = path.read_text()
+    for old, new in mutant.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{mutant.name}: {old!r} occurs {text.count(old)} times in {mutant.path}, not once")
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def _pytest(project: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+    """Run `tests` in `project` (which shadows the installed packages); exit code and output."""
+    env = {**os.environ, "PYTHONPATH": str(project), "PYTHONDONTWRITEBYTECODE": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, "timeout"
+    return done.returncode, done.stdout + done.stderr
+
+
+def _first_failure(output: str) -> str:
+    match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    return match.group(1) if match else output.strip().splitlines()[-1] if output.strip() else "?"
+
+
+def run(mutants: list[Mutant], baseline: bool) -> bool:
+    with tempfile.TemporaryDirectory(prefix="ddtree-mutants-") as tmp:
+        pristine = Path(tmp) / "pristine"
+        _copy_project(pristine)
+        if baseline:
+            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            code, output = _pytest(pristine, tests)
+            if code != 0:
+                print(output[-4000:])
+                print("the unmutated project fails these tests: fix that first")
+                return False
+            print(f"baseline: {len(tests)} test files pass on the unmutated copy")
+        survived = []
+        for mutant in mutants:
+            project = Path(tmp) / mutant.name
+            shutil.copytree(pristine, project)
+            _apply(project, mutant)
+            started = time.monotonic()
+            code, output = _pytest(project, mutant.tests)
+            took = time.monotonic() - started
+            verdict = f"killed by {_first_failure(output)}" if code != 0 else "SURVIVED"
+            if code == 0:
+                survived.append(mutant.name)
+            print(f"{mutant.name:<40} {verdict}  ({took:.0f} s)", flush=True)
+            shutil.rmtree(project)
+    print(
+        f"{len(mutants) - len(survived)} of {len(mutants)} mutants killed"
+        + (f"; survived: {survived}" if survived else "")
+    )
+    return not survived
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    args = parser.parse_args()
+    mutants = _mutants()
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:<40} {m.path:<28} {m.what}")
+        return 0
+    unknown = set(args.only) - {m.name for m in mutants}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    chosen = [m for m in mutants if not args.only or m.name in args.only]
+    return 0 if run(chosen, baseline=not args.no_baseline) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
