@@ -73,7 +73,8 @@ class StepStats:
 
     @property
     def batch_size(self) -> int:
-        """Requests in the session when the step started, finished ones that had not left included."""
+        """Requests in the rows the step ran (the slots up to the last one still decoding, rounded up to a power
+        of two), finished ones that had not left included."""
         if self.slot_ids is None:
             return len(self.info.request_ids)
         return sum(rid is not None for rid in self.slot_ids)
