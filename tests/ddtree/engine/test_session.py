@@ -8,7 +8,18 @@ import pytest
 
 from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.engine.session import DecodeSession, Request
+from telemetry.hooks import NoopObserver
 from tests.helpers import random_prompts, tiny_pair
+
+
+class Rows(NoopObserver):
+    """Records the rows each step runs."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def on_step_start(self, step: int, batch_size: int) -> None:
+        self.rows.append(batch_size)
 
 
 def _alone(engine: Engine, prompt: list[int], method: str, new: int, temperature: float, seed: int) -> list[int]:
@@ -93,15 +104,6 @@ def test_session_errors_speak_of_values() -> None:
 
 
 def test_steps_run_only_the_slots_up_to_the_last_one_decoding() -> None:
-    from telemetry.hooks import NoopObserver
-
-    class Rows(NoopObserver):
-        def __init__(self) -> None:
-            self.rows: list[int] = []
-
-        def on_step_start(self, step: int, batch_size: int) -> None:
-            self.rows.append(batch_size)
-
     target, drafter = tiny_pair(9, vocab=16, block_size=4)
     rows = Rows()
     session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=rows)
@@ -122,17 +124,8 @@ def test_steps_run_only_the_slots_up_to_the_last_one_decoding() -> None:
 def test_warm_up_leaves_an_empty_session_whose_requests_are_their_own() -> None:
     """The server warms a session before serving: every row count runs, the observer sees none of it, and the
     requests that follow get the tokens they would get from a fresh session (at T=0 and seeded T>0)."""
-    from telemetry.hooks import NoopObserver
-
-    class Calls(NoopObserver):
-        def __init__(self) -> None:
-            self.rows: list[int] = []
-
-        def on_step_start(self, step: int, batch_size: int) -> None:
-            self.rows.append(batch_size)
-
     target, drafter = tiny_pair(10, vocab=16, block_size=4)
-    calls = Calls()
+    calls = Rows()
     session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=calls)
     seen: list[int] = []
     original = session._rows
