@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PAIR ?= runs/tiny-pair
+SGLANG_VENV ?= .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
 
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup run demo-tiny test lint mutants clean
+.PHONY: setup setup-sglang run demo-tiny test test-sglang lint mutants clean
 
 $(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +41,27 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest tests
+	@if [ -x $(SGLANG_BIN)/python ]; then $(MAKE) test-sglang; \
+	else echo "make test: no $(SGLANG_VENV), so the SGLang plugin's tests were skipped (make setup-sglang)"; fi
+
+# SGLang 0.5.23 and this package in an environment of their own: SGLang pins torch 2.14.1 and pulls its CUDA
+# wheels (about 11 GB and 4 minutes). Built once; a changed pyproject.toml only reinstalls this package.
+$(SGLANG_BIN)/ddtree-sglang-ready: pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/pip install --quiet --upgrade pip
+	$(SGLANG_BIN)/pip install --quiet sglang==0.5.23
+	$(SGLANG_BIN)/pip install --quiet -e . pytest
+	touch $@
+
+setup-sglang: $(SGLANG_BIN)/ddtree-sglang-ready
+
+# The plugin against the real SGLang server on CPU (DDTREE_SGLANG_CPU=1): a few minutes, mostly engine start-ups.
+test-sglang: setup-sglang
+	DDTREE_REQUIRE_SGLANG=1 $(SGLANG_BIN)/python -m pytest tests/sglang
 
 # Break the code on purpose, one named mutation at a time in a temporary copy; every mutant must be killed.
 mutants: setup
 	$(BIN)/python scripts/mutants.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
