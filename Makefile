@@ -5,10 +5,12 @@ BIN := $(VENV)/bin
 PAIR ?= runs/tiny-pair
 SGLANG_VENV ?= .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
+PHOENIX_VENV ?= .venv-phoenix
+PHOENIX_BIN := $(PHOENIX_VENV)/bin
 
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup setup-sglang run demo-tiny test test-sglang lint mutants clean
+.PHONY: setup setup-sglang run demo-tiny test test-sglang setup-phoenix phoenix test-phoenix lint mutants clean
 
 $(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,9 +61,26 @@ setup-sglang: $(SGLANG_BIN)/ddtree-sglang-ready
 test-sglang: setup-sglang
 	DDTREE_REQUIRE_SGLANG=1 $(SGLANG_BIN)/python -m pytest tests/sglang
 
+# Arize Phoenix, a trace viewer that takes OTLP, in an environment of its own (about 850 MB, a minute to
+# install); neither setup nor test needs it.
+$(PHOENIX_BIN)/phoenix:
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_BIN)/pip install --quiet --upgrade pip
+	$(PHOENIX_BIN)/pip install --quiet arize-phoenix==20.26.1
+
+setup-phoenix: $(PHOENIX_BIN)/phoenix
+
+# A run's spans sent to Phoenix and read back through its API; PHOENIX_ARGS="--keep" leaves it up to browse.
+phoenix: setup setup-phoenix
+	$(BIN)/python examples/phoenix_trace.py --phoenix-python $(PHOENIX_BIN)/python $(PHOENIX_ARGS)
+
+# The same as a test, over OTLP/HTTP and gRPC, with a screenshot where chromium is installed.
+test-phoenix: setup setup-phoenix
+	DDTREE_PHOENIX_PYTHON=$(PHOENIX_BIN)/python $(BIN)/python -m pytest tests/telemetry/test_phoenix.py
+
 # Break the code on purpose, one named mutation at a time in a temporary copy; every mutant must be killed.
 mutants: setup
 	$(BIN)/python scripts/mutants.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) $(PHOENIX_VENV) runs .pytest_cache .mypy_cache .ruff_cache .hypothesis
