@@ -76,6 +76,12 @@ class Collector:
             self.slot_ids[slot] = rid
         call_sinks(self.sinks, "start_requests", info)
 
+    def assign_slots(self, request_ids: list[str | None]) -> None:
+        """Name the request in each row of the step that starts next, for a server whose batch rows move
+        between steps (SGLang filters and merges its running batch): row i holds `request_ids[i]`, whatever
+        slot it joined with."""
+        self.slot_ids = list(request_ids)
+
     def on_step_start(self, step: int, batch_size: int) -> None:
         if len(self.pending) >= MAX_PENDING:
             self._drain()

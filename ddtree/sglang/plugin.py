@@ -9,7 +9,8 @@ CPU_ENV = "DDTREE_SGLANG_CPU"
 
 
 def register() -> None:
-    """Register `--speculative-algorithm DDTREE` (and, with DDTREE_SGLANG_CPU=1, apply the CPU patches)."""
+    """Register `--speculative-algorithm DDTREE` (and, with DDTREE_SGLANG_CPU=1, apply the CPU patches; with
+    DDTREE_DEBUG_METRICS=1, hook SGLang's result processing for our telemetry)."""
     if os.environ.get(CPU_ENV) == "1":
         from ddtree.sglang import cpu
 
@@ -17,10 +18,13 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from ddtree.sglang import observe
     from ddtree.sglang.spec import NAME, DDTreeSpecAlgo
 
     if get_spec(NAME) is not None:
         return  # already registered in this process
+    if observe.enabled():
+        observe.register_hooks()  # telemetry in the scheduler: the decode step's counts as SGLang reads them
     SpeculativeAlgorithm.register(NAME, supports_overlap=True, spec_class=DDTreeSpecAlgo)(_worker_class)
 
 

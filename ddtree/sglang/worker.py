@@ -38,6 +38,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dfl
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
+from ddtree.sglang import observe
 from ddtree.sglang.config import (
     DDTreeConfigError,
     DDTreeSettings,
@@ -46,6 +47,7 @@ from ddtree.sglang.config import (
     check_tree_width,
 )
 from ddtree.sglang.tree_step import (
+    Commit,
     TreeVerify,
     accept_tree,
     commit,
@@ -110,6 +112,8 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         self._check_start_up()
         self.window = max(int(self.block_size), self.ddtree.width)
         DDTreeDraftInput.reserve_tokens = int(self.block_size) + self.window
+        model_name = getattr(server_args, "served_model_name", None) or server_args.model_path
+        self.telemetry = observe.start(str(self.device), self.ddtree.budget, self.ddtree.topk, str(model_name))
         logger.info("DDTREE ready: budget=%s topk=%s block=%s", self.ddtree.budget, self.ddtree.topk, self.block_size)
 
     def _check_start_up(self) -> None:
@@ -141,6 +145,8 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, pp_proxy_tensors: Any = None
     ) -> Any:
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle():
+            if self.telemetry is not None:
+                self.telemetry.join(batch.reqs)
             return super().forward_batch_generation(batch, on_publish, grammar_barrier, pp_proxy_tensors)
         if batch.has_grammar:
             raise DDTreeConfigError("DDTREE does not support grammar-constrained requests yet")
@@ -149,29 +155,44 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
     # -- one decode step ------------------------------------------------------------------------------------
 
     def _tree_step(self, batch: Any, on_publish: Any) -> Any:
+        tel = self.telemetry  # None unless DDTREE_DEBUG_METRICS=1 (`observe`)
+        step_index = tel.step_start(batch.reqs) if tel is not None else 0
         draft_input = batch.spec_info
         prefix = batch.seq_lens  # [bs] committed tokens; under overlap, produced on another stream
         prefix.record_stream(torch.get_device_module(self.device).current_stream())
         prefix_host = [int(n) for n in prefix.tolist()]  # the FULL mask's layout needs the exact lengths
         window = self._window_slots(batch)  # [bs, W] virtual slots
-        draft_plan = self._plan(batch, window[:, : self.block_size], prefix_host)
-        hidden = self._draft_hidden(batch, draft_input.bonus_tokens, draft_plan, prefix_host)  # [bs, block, H]
-        tree = draft_tree(self._draft_logits(hidden[:, 1:]), self.ddtree.budget, self.ddtree.topk)
-        verify = tree_verify(tree, draft_input.bonus_tokens, prefix)
-        verify_plan = self._plan(batch, window[:, : verify.width], prefix_host)
-        logits_output = self._verify(batch, verify, verify_plan, prefix_host)
-        target_tokens = self._target_tokens(batch, logits_output.next_token_logits, verify.width)
-        result = accept_tree(verify, target_tokens.view(len(prefix_host), verify.width))
-        step = commit(result, stride=int(self.block_size))
-        self._move_kv(verify_plan, result.path, result.accepted)
-        new_seq_lens = prefix + step.commit_lens.to(prefix.dtype)
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-        self._append_draft_kv(logits_output.hidden_states, result.path, draft_plan, prefix, step.commit_lens)
+        with observe.stage(tel, observe.DRAFT):
+            draft_plan = self._plan(batch, window[:, : self.block_size], prefix_host)
+            hidden = self._draft_hidden(batch, draft_input.bonus_tokens, draft_plan, prefix_host)  # [bs, block, H]
+            draft_logits = self._draft_logits(hidden[:, 1:])
+        with observe.stage(tel, observe.TREE_BUILD):
+            tree = draft_tree(draft_logits, self.ddtree.budget, self.ddtree.topk)
+            if tel is not None:
+                tel.tree(tree)
+            verify = tree_verify(tree, draft_input.bonus_tokens, prefix)
+        with observe.stage(tel, observe.VERIFY):
+            verify_plan = self._plan(batch, window[:, : verify.width], prefix_host)
+            logits_output = self._verify(batch, verify, verify_plan, prefix_host)
+        with observe.stage(tel, observe.ACCEPT):
+            target_tokens = self._target_tokens(batch, logits_output.next_token_logits, verify.width)
+            result = accept_tree(verify, target_tokens.view(len(prefix_host), verify.width))
+            step = commit(result, stride=int(self.block_size))
+            self._move_kv(verify_plan, result.path, result.accepted)
+            new_seq_lens = prefix + step.commit_lens.to(prefix.dtype)
+            if on_publish is not None:
+                on_publish(new_seq_lens)
+            self._append_draft_kv(logits_output.hidden_states, result.path, draft_plan, prefix, step.commit_lens)
         logits_output.hidden_states = None
         if batch.return_logprob:
             accept_index = self._accept_index(result.path, verify.width)
             compute_spec_logprobs(batch, logits_output, target_tokens, accept_index=accept_index)
+        out = self._result(logits_output, step, new_seq_lens)
+        if tel is not None:
+            observe.mark_result(out, step_index, result)
+        return out
+
+    def _result(self, logits_output: Any, step: Commit, new_seq_lens: torch.Tensor) -> Any:
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=step.out_tokens.reshape(-1),

@@ -1,14 +1,17 @@
 """Run SGLang's Engine once on the default pair (CPU mode, float32) and print one JSON line per request.
 
 Usage: python engine_run.py '{"algorithm": "DDTREE"|"DFLASH"|"NONE", "prompts": [[ids]], "max_new_tokens": n}'
-DDTREE's budget and top-k come from SGLANG_DDTREE_BUDGET / SGLANG_DDTREE_TOPK in the environment.
+DDTREE's budget and top-k come from SGLANG_DDTREE_BUDGET / SGLANG_DDTREE_TOPK in the environment. With
+DDTREE_DEBUG_METRICS=1 and DDTREE_LOG_FILE set, it waits for the log's request lines before shutting down.
 A script, not a test: SGLang starts its scheduler with multiprocessing's spawn, which re-imports `__main__`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from typing import Any
 
 
@@ -41,6 +44,7 @@ def main() -> None:
             input_ids=request["prompts"],
             sampling_params={"temperature": 0, "max_new_tokens": request["max_new_tokens"]},
         )
+        _wait_for_request_lines(len(outputs))
     finally:
         engine.shutdown()
     for out in outputs:
@@ -49,8 +53,24 @@ def main() -> None:
             "output_ids": out["output_ids"],
             "spec_verify_ct": meta.get("spec_verify_ct", 0),
             "histogram": meta.get("spec_correct_drafts_histogram", []),
+            "rid": meta.get("id"),
+            "completion_tokens": meta.get("completion_tokens"),
         }
         print(json.dumps(record), flush=True)
+
+
+def _wait_for_request_lines(n: int, timeout_s: float = 60.0) -> None:
+    """The scheduler's telemetry exporter writes the log; the engine's shutdown would stop it mid-way."""
+    path = os.environ.get("DDTREE_LOG_FILE")
+    if os.environ.get("DDTREE_DEBUG_METRICS") != "1" or not path:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                if sum('"ddtree.request"' in line for line in f) >= n:
+                    return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

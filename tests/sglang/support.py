@@ -35,6 +35,8 @@ class Run:
     token_ids: list[int]
     steps: int
     histogram: list[int]
+    rid: str = ""  # SGLang's request id
+    completion_tokens: int = 0  # as SGLang reports it
 
 
 def histogram(accepted_drafts: list[int]) -> list[int]:
@@ -51,7 +53,9 @@ def sglang_runs(algorithm: str, prompts: list[list[int]], env: dict[str, str] | 
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return [Run(r["output_ids"], r["spec_verify_ct"], r["histogram"]) for r in records]
+    return [
+        Run(r["output_ids"], r["spec_verify_ct"], r["histogram"], r["rid"], r["completion_tokens"]) for r in records
+    ]
 
 
 def ddtree_runs(method: str, prompts: list[list[int]], budget: int | None = None, topk: int | None = None) -> list[Run]:

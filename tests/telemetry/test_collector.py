@@ -207,3 +207,34 @@ def test_requests_that_join_and_leave_a_session_are_logged_by_slot() -> None:
     assert format(spans["a"].context.trace_id, "032x") == parent.split("-")[1]
     assert spans["a"].parent is not None and format(spans["a"].parent.span_id, "016x") == parent.split("-")[2]
     assert spans["b"].parent is None
+
+
+def test_assign_slots_names_each_rows_request_for_the_next_step() -> None:
+    """A server whose batch rows move (SGLang): after `assign_slots`, row i of the step is that request."""
+    from telemetry.collector import Collector
+    from telemetry.hooks import GenerateInfo
+    from telemetry.stats import StepStats
+
+    class Steps:
+        def __init__(self) -> None:
+            self.steps: list[StepStats] = []
+
+        def start_requests(self, info: GenerateInfo) -> None:
+            pass
+
+        def step(self, stats: StepStats) -> None:
+            self.steps.append(stats)
+
+        def end_requests(self, info: GenerateInfo, results: list[Any]) -> None:
+            pass
+
+    sink = Steps()
+    collector = Collector([sink])
+    for rid, slot in (("a", 0), ("b", 1), ("c", 2)):
+        collector.on_generate_start(GenerateInfo("ddtree", 8, None, 0.0, 8, 0, [rid], [[1, 2]], slots=[slot]))
+    collector.assign_slots(["c", "a"])  # "b" left the batch; "c" moved to row 0
+    collector.on_step_start(0, 2)
+    collector.on_accept(0, None, [2, 0])  # type: ignore[arg-type]  # the result itself is not read
+    collector.on_step_end(0, [3, 1])
+    collector._drain(wait=True)
+    assert sink.steps[0].request_ids == ["c", "a"] and sink.steps[0].accepted == [2, 0]
