@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.session import DecodeSession, Request, RequestOutput, cache_tokens
+from ddtree.engine.session import DecodeSession, Request, RequestOutput, cache_tokens, round_up
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
@@ -106,7 +106,7 @@ class Engine:
             self.sessions.pop(key, None)
             while len(self.sessions) >= KEPT_SESSIONS:
                 self.sessions.popitem(last=False)
-            capacity = -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET
+            capacity = round_up(needed, CAPACITY_BUCKET)
             session = DecodeSession(
                 self.target,
                 self.drafter,

@@ -260,7 +260,7 @@ class DecodeSession:
         device = self.target.device
         width = max(len(r.prompt) for r in requests)
         if self.cuda_graphs:
-            width = min(self.capacity, -(-width // PREFILL_BUCKET) * PREFILL_BUCKET)
+            width = min(self.capacity, round_up(width, PREFILL_BUCKET))
         inputs = {
             "tokens": to_device([r.prompt + [0] * (width - len(r.prompt)) for r in requests], device),  # [k, width]
             "lengths": to_device([len(r.prompt) for r in requests], device),  # [k]
@@ -331,7 +331,7 @@ class DecodeSession:
         ahead = (1 + len(self._inflight)) * self.proposer.width
         span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
         if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
-            span = min(self.capacity, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
+            span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(_row_bucket(self.slots, self.num_slots))
         self.observer.on_step_start(self.steps, rows.n)
         bag = self.runner.run((rows.n, span, sampled), {"span": span, "sampled": sampled, "rows": rows})
@@ -422,6 +422,11 @@ def _row_bucket(slots: list[_Slot | None], num_slots: int) -> int:
     the lowest free slots), so few shapes cover every occupancy."""
     last = max((i for i, s in enumerate(slots) if s is not None and not s.output.finished), default=0)
     return min(num_slots, 1 << last.bit_length())
+
+
+def round_up(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`: the few shapes that graphs and compiled regions are made for."""
+    return -(-n // bucket) * bucket
 
 
 def cache_tokens(tokens: int, width: int, block: int) -> int:
