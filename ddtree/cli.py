@@ -12,6 +12,7 @@ from typing import Any
 
 from ddtree import cli_analysis
 from ddtree.errors import UserError
+from ddtree.kernels import ATTENTION_CHOICES
 from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
 
@@ -65,6 +66,12 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
             choices=("auto", "torch", "triton"),
             default="auto",
             help="tree build: torch ops or fused Triton (auto: Triton on CUDA where it imports)",
+        )
+        parser.add_argument(
+            "--attention",
+            choices=ATTENTION_CHOICES,
+            default="auto",
+            help="target attention: sdpa with a dense mask, or the Triton tree kernel (auto: Triton on CUDA)",
         )
 
 
@@ -221,6 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         tree_kernel=args.tree_kernel,
+        attention=args.attention,
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat or (args.model is None and args.prompt is not None),
@@ -259,7 +267,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
-    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel)
+    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel, args.attention)
     prompts = heldout_prompts(args.prompts)[: args.limit]
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
     target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)
@@ -269,7 +277,9 @@ def _bench(args: argparse.Namespace) -> int:
         return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    engine = Engine(target, drafter, cuda_graphs=args.cuda_graphs, tree_kernel=args.tree_kernel)
+    engine = Engine(
+        target, drafter, cuda_graphs=args.cuda_graphs, tree_kernel=args.tree_kernel, attention=args.attention
+    )
     rows = run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
     if args.baseline:  # after ours, so that its compiled forward cannot touch our runs' state
         rows.insert(0, hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos))
@@ -366,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         cuda_graphs=args.cuda_graphs,
         tree_kernel=args.tree_kernel,
+        attention=args.attention,
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
 

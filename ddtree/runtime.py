@@ -29,6 +29,7 @@ class GenerateRequest:
     dtype: str = "auto"
     cuda_graphs: str = "auto"
     tree_kernel: str = "auto"
+    attention: str = "auto"
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
@@ -133,7 +134,7 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str) -> None:
+def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str, attention: str = "auto") -> None:
     """The engine options against the device they would run on, before anything loads (UserError, in the
     words of the flags: the engine itself raises ValueError for the same combinations)."""
     if cuda_graphs == "on" and resolve_device(device).type != "cuda":
@@ -143,12 +144,17 @@ def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str) -> Non
 
         if not triton_available():
             raise UserError("--tree-kernel triton needs triton and a CUDA device")
+    if attention == "triton":
+        from ddtree.kernels.tree_attention import triton_attention_available
+
+        if not triton_attention_available(resolve_device(device)):
+            raise UserError("--attention triton needs triton and a CUDA device")
 
 
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
-    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel)
+    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel, request.attention)
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
     model, drafter_dir = resolve_paths(request.model, request.drafter, request.generation.method)
     check_request(request, int(read_target_config(model).vocab_size))
@@ -167,6 +173,7 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
             observer=telemetry.observer,
             cuda_graphs=request.cuda_graphs,
             tree_kernel=request.tree_kernel,
+            attention=request.attention,
         )
         result = engine.generate(prompts, config)
     finally:

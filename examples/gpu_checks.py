@@ -43,14 +43,15 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
         if "lossless" not in checks:
             break
         eager = Engine(target, drafter, cuda_graphs="off")
-        engine = Engine(target, drafter)  # CUDA graphs on a GPU, the Triton tree build where it runs
+        engine = Engine(target, drafter)  # CUDA graphs on a GPU, the Triton tree build and attention where they run
         torch_tree = Engine(target, drafter, tree_kernel="torch")
+        sdpa = Engine(target, drafter, attention="sdpa")
         ar_cfg = GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)
         ar = eager.generate(prompts, ar_cfg).outputs
         for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 32)):
             cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
-            runners = (("eager", eager), ("graphed", engine), ("graphed torch-tree", torch_tree))
-            for name, runner in runners if method != "ar" else (("graphed", engine),):
+            runners = [("eager", eager), ("graphed", engine), ("graphed torch-tree", torch_tree)]
+            for name, runner in [*runners, ("graphed sdpa", sdpa)] if method != "ar" else [("graphed", engine)]:
                 out = runner.generate(prompts, cfg).outputs
                 same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
                 print(

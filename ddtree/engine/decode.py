@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.engine.session import DecodeSession, Request, RequestOutput, cache_tokens, round_up
+from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
@@ -64,9 +65,11 @@ class Engine:
         cuda_graphs: str = "auto",
         tree_kernel: str = "auto",
         pipeline_depth: int | None = None,
+        attention: str = "auto",
     ) -> None:
         self.target = target
         self.tree_kernel = tree_kernel
+        self.attention = resolve_attention(attention, target.device)
         self.pipeline_depth = pipeline_depth  # None: the session's default (2 with CUDA graphs, else 1)
         self.drafter = drafter
         self.observer = observer
@@ -119,6 +122,7 @@ class Engine:
                 self.cuda_graphs,
                 tree_kernel=self.tree_kernel,
                 pipeline_depth=self.pipeline_depth,
+                attention=self.attention,
             )
             self.sessions[key] = session
         self.sessions.move_to_end(key)

@@ -23,6 +23,7 @@ import torch
 from ddtree.engine.graphs import Bag, GraphCache, Stage, StepRunner
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device, to_host
+from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.kv_cache import KVCache
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
@@ -105,6 +106,7 @@ class DecodeSession:
         pipeline_depth: int | None = None,
         tree_kernel: str = "auto",
         fused: bool | None = None,
+        attention: str = "auto",
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
@@ -113,6 +115,7 @@ class DecodeSession:
         self.target = target
         self.method = method
         self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
+        self.attention = resolve_attention(attention, target.device)  # the target's: sdpa or triton
         self.observer = observer
         self.capacity = capacity
         self.cuda_graphs = cuda_graphs
@@ -283,7 +286,10 @@ class DecodeSession:
             visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
             scratch = self.target.new_cache(k, width)
             positions = steps.expand(k, -1)
-            out = self.target.forward(tokens, positions, visible, scratch, width, (lengths - 1)[:, None], fused=False)
+            last = (lengths - 1)[:, None]
+            out = self.target.forward(
+                tokens, positions, visible, scratch, width, last, fused=False, attention=self.attention
+            )
             scratch.lengths.copy_(lengths)
             self.cache.load_rows(index, scratch)
             draft_scratch = self.proposer.new_cache(k, width)
@@ -378,7 +384,9 @@ class DecodeSession:
         tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [n, nodes]
         tokens[:, 0] = r.root
         positions = r.cache.lengths[:, None] + tree.depths
-        verified = self.target.forward(tokens, positions, bag["ancestors"], r.cache, bag["span"], fused=self.fused)
+        verified = self.target.forward(
+            tokens, positions, bag["ancestors"], r.cache, bag["span"], fused=self.fused, attention=self.attention
+        )
         bag["choice"] = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, bag["sampled"])
         bag["features"] = verified.features
 

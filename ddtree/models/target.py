@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ddtree.errors import UserError
+from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
 from ddtree.models.layers import residual_mlp
 
@@ -83,6 +84,7 @@ class Target:
         key_span: int,
         logit_index: torch.Tensor | None = None,
         fused: bool = True,
+        attention: str = "sdpa",
     ) -> TargetOutput:
         """Run `tokens` (`[batch, n]`) at `positions` (`[batch, n]`) on top of the cache.
 
@@ -90,15 +92,19 @@ class Target:
         with `visible[b, i, j]` (`[batch, n, n]`). `key_span` is a host-side bound on
         `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits. `fused=False`
         runs the layers eagerly even after `compile_layers` (prefill: one-off shapes not worth compiling).
+        `attention` is `sdpa` (torch's attention given a dense mask) or `triton` (`ddtree.kernels.tree_attention`,
+        which reads `visible` directly).
         """
         n = tokens.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
-        mask = tree_attention_mask(cache.lengths, visible, key_span)  # [batch, 1, n, key_span]
+        mask = (  # [batch, 1, n, key_span] for sdpa; the Triton kernel takes `visible` as it is
+            visible if attention == "triton" else tree_attention_mask(cache.lengths, visible, key_span)
+        )
         x = self.embed(tokens)
         cos, sin = self.rotary(x, positions)
         features: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused)
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused, attention)
             if i in self.feature_layers:
                 features[i] = x
         x = self.norm(x)
@@ -129,15 +135,17 @@ class Target:
         cache: KVCache,
         key_span: int,
         fused: bool,
+        attention: str,
     ) -> torch.Tensor:
-        attn = layer.self_attn
+        scale = getattr(layer.self_attn, "scaling", None)
         qkv, rest = (self._qkv, self._residual_mlp) if fused else (_qkv, residual_mlp)
         q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
-        keys, values = cache.read(index, key_span)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=getattr(attn, "scaling", None), enable_gqa=True
-        )  # [batch, heads, n, head_dim]
+        if attention == "triton":
+            out = tree_attention(q, cache.keys[index], cache.values[index], cache.lengths, mask, scale)
+        else:
+            keys, values = cache.read(index, key_span)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         result: torch.Tensor = rest(layer, x, out)
         return result
 

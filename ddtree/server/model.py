@@ -33,12 +33,13 @@ class ServerSettings:
     dtype: str = "auto"
     cuda_graphs: str = "auto"
     tree_kernel: str = "auto"
+    attention: str = "auto"
 
 
 def check_settings(settings: ServerSettings) -> None:
     """Check what can be checked before anything loads (UserError, in the words of the flags)."""
     check_request(_generate_request(settings))
-    check_engine_options(settings.device, settings.cuda_graphs, settings.tree_kernel)
+    check_engine_options(settings.device, settings.cuda_graphs, settings.tree_kernel, settings.attention)
     for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -93,7 +94,12 @@ def load_model(settings: ServerSettings) -> ServedModel:
         detokenize=lambda ids: str(tokenizer.decode(ids)),
     )
     engine = Engine(
-        target, drafter, observer=telemetry.observer, cuda_graphs=settings.cuda_graphs, tree_kernel=settings.tree_kernel
+        target,
+        drafter,
+        observer=telemetry.observer,
+        cuda_graphs=settings.cuda_graphs,
+        tree_kernel=settings.tree_kernel,
+        attention=settings.attention,
     )
     budget, topk = facts.tree_shape(settings.budget, settings.topk, drafter.depth if drafter is not None else 0)
     if facts.needs_drafter and topk is None:

@@ -131,3 +131,15 @@ def test_cuda_graphs_on_without_a_gpu_is_a_clear_error(
     assert main(["bench", *pair, "--limit", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("ddtree: error: --cuda-graphs on needs a CUDA device") == 2
+
+
+def test_triton_attention_without_a_gpu_is_a_clear_error(
+    tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter would let it run
+    target, drafter = tiny_dirs
+    pair = ["--model", str(target), "--drafter", str(drafter), "--device", "cpu", "--attention", "triton"]
+    assert main(["generate", *pair, "--prompt", "hi"]) == 2
+    assert main(["bench", *pair, "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ddtree: error: --attention triton needs triton and a CUDA device") == 2
