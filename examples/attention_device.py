@@ -38,7 +38,7 @@ def timed(call: Callable[[], torch.Tensor], reps: int = 20, rounds: int = 10) ->
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * rounds)
+    return float(start.elapsed_time(end)) * 1000 / (reps * rounds)
 
 
 def case(batch: int, n: int, prefix: int) -> dict[str, float]:
