@@ -1,4 +1,4 @@
-"""The `ddtree` command: generate, bench, models (pull, init-tiny), drafter (init, data, train)."""
+"""The `ddtree` command: generate, bench, serve, analyze, advise, models (pull, init-tiny), drafter (`cli_drafter`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddtree import cli_analysis
+from ddtree import cli_analysis, cli_drafter
 from ddtree.errors import UserError
 from ddtree.kernels import ATTENTION_CHOICES
 from ddtree.methods import METHOD_NAMES
@@ -160,51 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.set_defaults(func=_models_init_tiny)
 
-    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
-        dest="drafter_command", required=True
-    )
-    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
-    init.add_argument("--target", required=True, help="target model directory")
-    init.add_argument("--out", required=True, help="output directory")
-    _drafter_shape_args(init, layers=1)
-    init.set_defaults(func=_drafter_init)
-
-    data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
-    data.add_argument("--target", help="target directory; default: the default target")
-    data.add_argument("--out", required=True, help="output JSONL file")
-    data.add_argument("--num-prompts", type=int, default=2000)
-    data.add_argument("--prompts", help="JSONL file of {'prompt': ...} instead of the built-in prompts")
-    data.add_argument("--max-new-tokens", type=int, default=256)
-    data.add_argument("--batch-size", type=int, default=64)
-    data.add_argument("--seed", type=int, default=0)
-    _device_args(data)
-    data.set_defaults(func=_drafter_data)
-
-    train = drafter.add_parser("train", help="train a DFlash drafter on the target's own responses")
-    train.add_argument("--target", help="target directory; default: the default target")
-    train.add_argument("--data", required=True, help="JSONL file from `ddtree drafter data`")
-    train.add_argument("--out", required=True, help="drafter directory (checkpoints land here too)")
-    _drafter_shape_args(train, layers=2)
-    train.add_argument("--steps", type=int, default=1000)
-    train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
-    train.add_argument("--lr", type=float, default=6e-4)
-    train.add_argument("--max-len", type=int, default=512)
-    train.add_argument("--checkpoint-every", type=int, default=200)
-    train.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget (the schedule fits it)")
-    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    train.add_argument("--init", help="start from this drafter's weights (its shape wins over the shape options)")
-    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    train.set_defaults(func=_drafter_train)
+    cli_drafter.add_parsers(sub)  # drafter init, data, train, pack-data, state, part, gather
     return parser
-
-
-def _drafter_shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
-    parser.add_argument("--num-layers", type=int, default=layers)
-    parser.add_argument("--num-features", type=int, default=None, help="target layers read (default: num-layers)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask/unk/pad token")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -383,55 +340,6 @@ def _serve(args: argparse.Namespace) -> int:
     from ddtree.server.run import serve
 
     serve(settings, args.host, args.port)  # returns once a signal's graceful shutdown is done
-    return 0
-
-
-def _drafter_init(args: argparse.Namespace) -> int:
-    from ddtree.models.dflash import save_drafter
-    from ddtree.train.setup import new_drafter
-
-    drafter = new_drafter(
-        args.target, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
-    )
-    save_drafter(drafter, args.out)
-    print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
-    return 0
-
-
-def _drafter_data(args: argparse.Namespace) -> int:
-    from ddtree.train.setup import make_data
-
-    count = make_data(
-        args.target,
-        args.out,
-        args.num_prompts,
-        args.prompts,
-        args.max_new_tokens,
-        args.batch_size,
-        args.seed,
-        args.device,
-        args.dtype,
-    )
-    print(f"wrote {count} sequences to {args.out}")
-    return 0
-
-
-def _drafter_train(args: argparse.Namespace) -> int:
-    from ddtree.train.setup import run_training
-    from ddtree.train.trainer import TrainConfig
-
-    config = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        anchors=args.anchors,
-        lr=args.lr,
-        max_len=args.max_len,
-        seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
-        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-    )
-    report = run_training(args, config)
-    print(json.dumps(report))
     return 0
 
 

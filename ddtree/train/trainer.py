@@ -201,6 +201,7 @@ def train(
     in `out`. `clock` gives seconds (the time budgets read it once at the start and once per step).
     """
     check_config(config)
+    out.mkdir(parents=True, exist_ok=True)
     device = next(target.parameters()).device
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
