@@ -224,7 +224,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
-    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel, args.attention)
+    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel, args.attention, args.dtype)
     prompts = heldout_prompts(args.prompts)[: args.limit]
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
     target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)

@@ -134,7 +134,9 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str, attention: str = "auto") -> None:
+def check_engine_options(
+    device: str, cuda_graphs: str, tree_kernel: str, attention: str = "auto", dtype: str = "auto"
+) -> None:
     """The engine options against the device they would run on, before anything loads (UserError, in the
     words of the flags: the engine itself raises ValueError for the same combinations)."""
     if cuda_graphs == "on" and resolve_device(device).type != "cuda":
@@ -149,12 +151,14 @@ def check_engine_options(device: str, cuda_graphs: str, tree_kernel: str, attent
 
         if not triton_attention_available(resolve_device(device)):
             raise UserError("--attention triton needs triton and a CUDA device")
+        if dtype == "float64":
+            raise UserError("--attention triton takes float32, bfloat16 or float16, not --dtype float64")
 
 
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
-    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel, request.attention)
+    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel, request.attention, request.dtype)
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
     model, drafter_dir = resolve_paths(request.model, request.drafter, request.generation.method)
     check_request(request, int(read_target_config(model).vocab_size))

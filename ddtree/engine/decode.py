@@ -69,7 +69,7 @@ class Engine:
     ) -> None:
         self.target = target
         self.tree_kernel = tree_kernel
-        self.attention = resolve_attention(attention, target.device)
+        self.attention = resolve_attention(attention, target.device, target.dtype)
         self.pipeline_depth = pipeline_depth  # None: the session's default (2 with CUDA graphs, else 1)
         self.drafter = drafter
         self.observer = observer

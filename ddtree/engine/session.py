@@ -115,7 +115,7 @@ class DecodeSession:
         self.target = target
         self.method = method
         self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
-        self.attention = resolve_attention(attention, target.device)  # the target's: sdpa or triton
+        self.attention = resolve_attention(attention, target.device, target.dtype)  # the target's: sdpa or triton
         self.observer = observer
         self.capacity = capacity
         self.cuda_graphs = cuda_graphs

@@ -24,6 +24,7 @@ import torch
 
 from ddtree.kernels import ATTENTION_CHOICES
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_M = 64  # query rows (node, head pairs) per program
 _BLOCK_N = 64  # keys per loop step
 
@@ -37,14 +38,18 @@ def triton_attention_available(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1")
 
 
-def resolve_attention(choice: str, device: torch.device) -> str:
-    """`auto` -> `triton` on a CUDA device where triton imports, else `sdpa`; other choices are checked."""
+def resolve_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto` -> `triton` for a supported dtype on a CUDA device where triton imports, else `sdpa`; other
+    choices are checked."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"unknown attention {choice!r}; choose one of {', '.join(ATTENTION_CHOICES)}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_attention_available(device) else "sdpa"
+        usable = device.type == "cuda" and dtype in KERNEL_DTYPES and triton_attention_available(device)
+        return "triton" if usable else "sdpa"
     if choice == "triton" and not triton_attention_available(device):
         raise ValueError(f"the triton attention needs triton and a CUDA device (or TRITON_INTERPRET=1), not {device}")
+    if choice == "triton" and dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the triton attention takes float32, bfloat16 or float16, not {dtype}")
     return choice
 
 

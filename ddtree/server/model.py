@@ -39,7 +39,9 @@ class ServerSettings:
 def check_settings(settings: ServerSettings) -> None:
     """Check what can be checked before anything loads (UserError, in the words of the flags)."""
     check_request(_generate_request(settings))
-    check_engine_options(settings.device, settings.cuda_graphs, settings.tree_kernel, settings.attention)
+    check_engine_options(
+        settings.device, settings.cuda_graphs, settings.tree_kernel, settings.attention, settings.dtype
+    )
     for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")

@@ -38,7 +38,12 @@ def random_case(
 
 
 def dense_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """What the target's sdpa path computes, in float32."""
     span = int(lengths.max()) + visible.shape[-1]
@@ -105,14 +110,21 @@ def test_rejects_heads_that_cannot_share_kv_heads() -> None:
 
 
 def test_resolve_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert resolve_attention("sdpa", torch.device("cpu")) == "sdpa"
-    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"  # the interpreter is for tests only
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_attention("sdpa", cpu, f32) == "sdpa"
+    assert resolve_attention("auto", cpu, f32) == "sdpa"  # the interpreter is for tests only
+    assert resolve_attention("triton", cpu, f32) == "triton"  # under the tests' TRITON_INTERPRET=1
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
-        resolve_attention("flash", torch.device("cpu"))
+        resolve_attention("flash", cpu, f32)
+    with pytest.raises(ValueError, match=r"takes float32, bfloat16 or float16, not torch\.float64"):
+        resolve_attention("triton", cpu, torch.float64)
+    if torch.cuda.is_available():
+        assert resolve_attention("auto", torch.device("cuda"), f32) == "triton"
+        assert resolve_attention("auto", torch.device("cuda"), torch.float64) == "sdpa"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_attention_available(torch.device("cpu"))
+    assert not triton_attention_available(cpu)
     with pytest.raises(ValueError, match="needs triton and a CUDA device"):
-        resolve_attention("triton", torch.device("cpu"))
+        resolve_attention("triton", cpu, f32)
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
