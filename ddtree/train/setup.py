@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +93,14 @@ def make_data(
 
 
 def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
-    """Train a drafter per the `drafter train` arguments; returns the training report."""
+    """Train a drafter per the `drafter train` arguments; returns the training report (with the held-out
+    evaluation under "eval" when asked for)."""
     from transformers import AutoModelForCausalLM
 
     from ddtree.runtime import resolve_device
     from ddtree.train.data import read_sequences
-    from ddtree.train.trainer import train
+    from ddtree.train.runs import add_eval, heldout_eval
+    from ddtree.train.trainer import REPORT_FILE, train
 
     if config.steps < 1 or config.batch_size < 1 or config.anchors < 1:
         raise UserError("--steps, --batch-size and --anchors must be >= 1")
@@ -106,15 +110,30 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     device = resolve_device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.init:
-        drafter = load_drafter(args.init, device, torch.float32)
-    else:
-        drafter = new_drafter(
-            target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
-        )
+    drafter = _start_drafter(args, target_dir, out, device)
     check_pair(drafter, target_config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
     target.to(device)
-    report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
-    return report  # train() has written it to out/training.json
+    try:
+        report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
+        if args.eval_heldout:
+            report["eval"] = heldout_eval(target_dir, str(out), args.device)
+            add_eval(out, report["eval"])
+            (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    return report  # also in out/training.json; the run's record is in out/runs.json
+
+
+def _start_drafter(args: argparse.Namespace, target_dir: str, out: Path, device: torch.device) -> DFlashDrafter:
+    """The drafter of the trainer state in `out` when resuming from one, else `--init`'s, else a new one."""
+    from ddtree.train.state import STATE_FILE
+
+    if args.resume and (out / STATE_FILE).is_file():
+        return load_drafter(out, device, torch.float32)  # its shape is the state's; train() loads the weights
+    if args.resume:
+        print(f"ddtree: no trainer state in {str(out)!r}: training starts at step 0", file=sys.stderr)
+    if args.init:
+        return load_drafter(args.init, device, torch.float32)
+    return new_drafter(target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed)

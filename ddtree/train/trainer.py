@@ -33,8 +33,8 @@ from ddtree.models.dflash import DFlashDrafter, save_drafter
 from ddtree.train.data import TrainingSequence
 from ddtree.train.distill import kl_per_position, teacher_logits
 from ddtree.train.runs import append_run, describe_data, run_record
+from ddtree.train.state import STATE_FILE
 
-STATE_FILE = "trainer_state.pt"
 REPORT_FILE = "training.json"
 LOSSES = ("ce", "kl")
 COMPLETE = ("steps", "total time")  # stop reasons after which training is done (others: a run ended early)
@@ -111,9 +111,7 @@ def block_loss(
     """Weighted block loss (`ce` or `kl`) and top-1 accuracy over the drafted positions."""
     ids, anchors, keep = batch["ids"], batch["anchors"], batch["keep"]
     bs = drafter.block_size
-    with torch.no_grad():  # the decoder alone: its final hidden states, not logits at every position
-        out = target.get_decoder()(input_ids=ids, attention_mask=batch["attention_mask"], output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+    last_hidden, features = _target_states(target, batch, drafter.target_layer_ids)
     offsets = torch.arange(bs, device=ids.device)
     positions = anchors[:, :, None] + offsets  # [b, n, bs]
     in_seq = positions < batch["attention_mask"].sum(dim=1)[:, None, None]
@@ -128,19 +126,30 @@ def block_loss(
     drafted = (keep[:, :, None] & in_seq)[:, :, 1:]  # [b, n, bs-1]: the positions that count
     head = target.get_output_embeddings()
     logits = head(hidden.view(*positions.shape, -1)[:, :, 1:][drafted]).float()  # [m, vocab]
-    decay = torch.exp(-torch.arange(bs - 1, device=ids.device).float() / gamma)  # [bs-1]: k = 1..bs-1
-    weight = decay.expand_as(drafted)[drafted]  # [m]
     wanted = labels[:, :, 1:][drafted]  # [m]
-    if distill == "kl":
-        per_position = kl_per_position(
-            logits, teacher_logits(head, out.last_hidden_state, positions[:, :, :-1], drafted)
-        )
+    if distill == "kl":  # the target's distribution for token a+k is its output at a+k-1
+        per_position = kl_per_position(logits, teacher_logits(head, last_hidden, positions[:, :, :-1], drafted))
     else:
         per_position = F.cross_entropy(logits, wanted, reduction="none")
+    decay = torch.exp(-torch.arange(bs - 1, device=ids.device).float() / gamma)  # [bs-1]: k = 1..bs-1
+    weight = decay.expand_as(drafted)[drafted]  # [m]
     loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
     with torch.no_grad():
         acc = (logits.argmax(-1) == wanted).sum() / drafted.sum().clamp(min=1)
     return loss, acc
+
+
+def _target_states(
+    target: Any, batch: dict[str, torch.Tensor], layers: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen target's final hidden states `[b, s, hidden]` and the drafter's context features
+    `[b, s, len(layers) * hidden]`, from its decoder alone (no logits at every position)."""
+    with torch.no_grad():
+        out = target.get_decoder()(
+            input_ids=batch["ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+        )
+        features = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    return out.last_hidden_state, features
 
 
 @dataclass

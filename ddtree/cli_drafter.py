@@ -1,0 +1,251 @@
+"""`ddtree drafter ...`: make, train and move DFlash drafters (argument glue over `ddtree.train`).
+
+- init, data, train: a random drafter, training data (the target's responses), training.
+- pack-data: a JSONL data file -> a packed data directory (about a third of the size).
+- state export / import: a drafter directory's trainer state <-> a compact bundle (`ddtree.train.state`).
+- part / gather: bundles -> parts within file-count and size limits, and back (`ddtree.train.bundle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import UserError
+
+MIB = 2**20
+
+
+def add_parsers(sub: Any) -> None:
+    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
+        dest="drafter_command", required=True
+    )
+    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
+    init.add_argument("--target", required=True, help="target model directory")
+    init.add_argument("--out", required=True, help="output directory")
+    _shape_args(init, layers=1)
+    init.set_defaults(func=_init)
+
+    data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
+    data.add_argument("--target", help="target directory; default: the default target")
+    data.add_argument("--out", required=True, help="output JSONL file")
+    data.add_argument("--num-prompts", type=int, default=2000)
+    data.add_argument("--prompts", help="JSONL file of {'prompt': ...} instead of the built-in prompts")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--batch-size", type=int, default=64)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    data.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
+    data.set_defaults(func=_data)
+
+    _train_parser(drafter)
+    _travel_parsers(drafter)
+
+
+def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
+    parser.add_argument("--num-layers", type=int, default=layers)
+    parser.add_argument("--num-features", type=int, default=None, help="target layers read (default: num-layers)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask/unk/pad token")
+
+
+def _train_parser(drafter: Any) -> None:
+    train = drafter.add_parser("train", help="train a DFlash drafter on the target's own responses")
+    train.add_argument("--target", help="target directory; default: the default target")
+    train.add_argument("--data", required=True, help="JSONL file of `drafter data`, or a directory of `pack-data`")
+    train.add_argument("--out", required=True, help="drafter directory (checkpoints and runs.json land here too)")
+    _shape_args(train, layers=2)
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k")
+    train.add_argument(
+        "--distill", choices=("ce", "kl"), default="ce", help="ce: the data's tokens; kl: the target's distributions"
+    )
+    train.add_argument("--max-len", type=int, default=512)
+    train.add_argument("--checkpoint-every", type=int, default=200)
+    train.add_argument("--max-minutes", type=float, default=None, help="this run's wall-clock limit")
+    train.add_argument(
+        "--total-minutes",
+        type=float,
+        default=None,
+        help="training time over all runs that the LR schedule spans (default: --max-minutes); give it every run",
+    )
+    train.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
+    train.add_argument("--init", help="start from this drafter's weights (its shape wins over the shape options)")
+    train.add_argument(
+        "--eval-heldout",
+        action="store_true",
+        help="after the run: tau of dflash and ddtree B=32 on 16 held-out prompts, stored in runs.json",
+    )
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.set_defaults(func=_train)
+
+
+def _travel_parsers(drafter: Any) -> None:
+    pack = drafter.add_parser("pack-data", help="a JSONL data file -> a packed data directory (safetensors shards)")
+    pack.add_argument("data", help="JSONL file of `drafter data`")
+    pack.add_argument("out", help="output directory (data.json and data-*.safetensors)")
+    pack.add_argument("--shard-mib", type=float, default=15.0, help="the most one shard file holds")
+    pack.set_defaults(func=_pack_data)
+
+    state = drafter.add_parser("state", help="the trainer state as a compact bundle, and back").add_subparsers(
+        dest="state_command", required=True
+    )
+    export = state.add_parser("export", help="a drafter directory's trainer state -> state.json + shards")
+    export.add_argument("drafter", help="drafter directory with trainer_state.pt")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--shard-mib", type=float, default=15.0, help="the most one shard file holds")
+    export.set_defaults(func=_state_export)
+    imp = state.add_parser("import", help="a complete state bundle -> a drafter directory that training resumes")
+    imp.add_argument("bundle", help="directory with state.json and all its shards")
+    imp.add_argument("drafter", help="drafter directory to write")
+    imp.set_defaults(func=_state_import)
+
+    part = drafter.add_parser("part", help="copy one part of the files of bundles, within file and size limits")
+    part.add_argument("bundles", nargs="+", help="bundle directories (a state, packed data)")
+    part.add_argument("--dest", required=True, help="directory to copy the part's files into")
+    part.add_argument("--part", type=int, default=1, help="which part, from 1 (the output names their number)")
+    part.add_argument("--max-files", type=int, default=7, help="files per part, manifests included")
+    part.add_argument("--max-mib", type=float, default=44.0, help="bytes per part, in MiB")
+    part.set_defaults(func=_part)
+
+    gather = drafter.add_parser("gather", help="collect the bundle files of one part into ROOT/<bundle name>/")
+    gather.add_argument("source", help="a directory holding a part's files")
+    gather.add_argument("root", help="where the bundles are put together (ROOT/state, ROOT/data)")
+    gather.set_defaults(func=_gather)
+
+
+@contextlib.contextmanager
+def _as_user_errors() -> Iterator[None]:
+    """Library errors (bad values, unreadable files) reach the user as one line."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _shard_bytes(mib: float) -> int:
+    if not 0 < mib <= 1024:
+        raise UserError(f"--shard-mib must be in (0, 1024], got {mib}")
+    return int(mib * MIB)
+
+
+def _init(args: argparse.Namespace) -> int:
+    from ddtree.models.dflash import save_drafter
+    from ddtree.train.setup import new_drafter
+
+    drafter = new_drafter(
+        args.target, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+    )
+    save_drafter(drafter, args.out)
+    print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from ddtree.train.setup import make_data
+
+    count = make_data(
+        args.target,
+        args.out,
+        args.num_prompts,
+        args.prompts,
+        args.max_new_tokens,
+        args.batch_size,
+        args.seed,
+        args.device,
+        args.dtype,
+    )
+    print(f"wrote {count} sequences to {args.out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ddtree.train.setup import run_training
+    from ddtree.train.trainer import TrainConfig
+
+    for name in ("max_minutes", "total_minutes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.gamma <= 0:
+        raise UserError(f"--gamma must be > 0, got {args.gamma}")
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        lr=args.lr,
+        gamma=args.gamma,
+        max_len=args.max_len,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+        total_seconds=args.total_minutes * 60 if args.total_minutes else None,
+        distill=args.distill,
+    )
+    report = run_training(args, config)
+    print(json.dumps(report))
+    return 0
+
+
+def _pack_data(args: argparse.Namespace) -> int:
+    from ddtree.train.data import pack_sequences, read_sequences
+
+    shard_bytes = _shard_bytes(args.shard_mib)
+    with _as_user_errors():
+        meta = pack_sequences(read_sequences(args.data, min_response=0), Path(args.out), shard_bytes)
+    print(f"packed {meta['sequences']} sequences ({meta['tokens']} tokens, {meta['ids_dtype']}) into {args.out}")
+    return 0
+
+
+def _state_export(args: argparse.Namespace) -> int:
+    from ddtree.train.state import export_state
+
+    shard_bytes = _shard_bytes(args.shard_mib)
+    with _as_user_errors():
+        manifest = export_state(Path(args.drafter), Path(args.out), shard_bytes)
+    size = sum(f.bytes for f in manifest.files) / MIB
+    step, shards = manifest.meta["step"], len(manifest.files)
+    print(f"wrote the trainer state at step {step} to {args.out}: {shards} shards, {size:.1f} MiB")
+    return 0
+
+
+def _state_import(args: argparse.Namespace) -> int:
+    from ddtree.train.state import import_state
+
+    with _as_user_errors():
+        done = import_state(Path(args.bundle), Path(args.drafter))
+    minutes = done["elapsed"] / 60
+    print(f"imported the trainer state at step {done['step']} ({minutes:.1f} min of training) into {args.drafter}")
+    return 0
+
+
+def _part(args: argparse.Namespace) -> int:
+    from ddtree.train.bundle import copy_part
+
+    if args.max_files < 2 or args.max_mib <= 0:
+        raise UserError(f"--max-files must be >= 2 and --max-mib > 0, got {args.max_files} and {args.max_mib}")
+    with _as_user_errors():
+        names, count = copy_part(
+            [Path(b) for b in args.bundles], Path(args.dest), args.part, args.max_files, int(args.max_mib * MIB)
+        )
+    print(f"part {args.part} of {count}: {' '.join(names)}")
+    return 0
+
+
+def _gather(args: argparse.Namespace) -> int:
+    from ddtree.train.bundle import gather
+
+    with _as_user_errors():
+        missing = gather(Path(args.source), Path(args.root))
+    for name, absent in missing.items():
+        where = Path(args.root) / name
+        print(f"{name}: complete in {where}" if not absent else f"{name}: still missing {' '.join(absent)}")
+    return 0

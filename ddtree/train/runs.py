@@ -1,0 +1,140 @@
+"""Run records: `runs.json` in a drafter directory, one record per training run, oldest first.
+
+A record holds the run's index (from 1), its first and last step, its wall seconds and the training seconds
+of all runs so far, why it stopped, its loss curve (at most 50 points: the mean loss of consecutive steps),
+the data it trained on and its configuration; after `--eval-heldout`, the mean acceptance length tau of
+dflash and ddtree B=32 on the first 16 held-out prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ddtree.methods import method_label
+
+if TYPE_CHECKING:
+    from ddtree.train.data import TrainingSequence
+
+RUNS_FILE = "runs.json"
+CURVE_POINTS = 50
+EVAL_BUDGET = 32
+EVAL_LABELS = (method_label("dflash"), method_label("ddtree", EVAL_BUDGET))  # the keys of a record's eval tau
+
+
+def loss_curve(history: Sequence[dict[str, float]], points: int = CURVE_POINTS) -> list[list[float]]:
+    """`[[step, mean loss], ...]`: the history cut into at most `points` runs of consecutive steps, each
+    given by its last step and its mean loss."""
+    if not history:
+        return []
+    chunks = np.array_split(np.arange(len(history)), min(points, len(history)))
+    curve = []
+    for chunk in chunks:
+        losses = [history[i]["loss"] for i in chunk]
+        curve.append([int(history[chunk[-1]]["step"]), round(float(np.mean(losses)), 4)])
+    return curve
+
+
+def describe_data(data: Sequence[TrainingSequence]) -> dict[str, int]:
+    tokens = sum(len(s.ids) for s in data)
+    return {"sequences": len(data), "tokens": tokens, "response_tokens": tokens - sum(s.prompt_len for s in data)}
+
+
+def run_record(report: dict[str, Any], history: Sequence[dict[str, float]], data: dict[str, int]) -> dict[str, Any]:
+    """The record of one run, from the trainer's report and the history of this run's steps."""
+    return {
+        "start_step": report["start_step"],
+        "end_step": report["steps"],
+        "wall_seconds": report["run_seconds"],
+        "cumulative_seconds": report["wall_seconds"],
+        "stopped": report["stopped"],
+        "final_loss": report["final_loss"],
+        "loss_curve": loss_curve(history),
+        "data": data,
+        "config": report["config"],
+    }
+
+
+def read_runs(directory: Path) -> list[dict[str, Any]]:
+    """The records of `directory`'s runs.json; none when it has none."""
+    path = directory / RUNS_FILE
+    return read_runs_file(path) if path.is_file() else []
+
+
+def read_runs_file(path: Path) -> list[dict[str, Any]]:
+    try:
+        runs = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{str(path)!r} is not JSON: {exc}") from exc
+    if not isinstance(runs, list):
+        raise ValueError(f"{str(path)!r} should hold a list of run records, got {type(runs).__name__}")
+    return runs
+
+
+def write_runs(directory: Path, runs: list[dict[str, Any]]) -> None:
+    tmp = directory / (RUNS_FILE + ".tmp")
+    tmp.write_text(json.dumps(runs, indent=1) + "\n")
+    tmp.replace(directory / RUNS_FILE)
+
+
+def append_run(directory: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Add `record` as the next run (its index set here); returns it."""
+    runs = read_runs(directory)
+    record = {"run": len(runs) + 1, **record}
+    write_runs(directory, [*runs, record])
+    return record
+
+
+def add_eval(directory: Path, evaluation: dict[str, Any]) -> None:
+    """Store a held-out evaluation in the last run's record."""
+    runs = read_runs(directory)
+    if not runs:
+        raise ValueError(f"no run record in {str(directory / RUNS_FILE)!r} to add an evaluation to")
+    runs[-1]["eval"] = evaluation
+    write_runs(directory, runs)
+
+
+def heldout_eval(
+    target_dir: str,
+    drafter_dir: str,
+    device: str = "auto",
+    prompts: int = 16,
+    max_new_tokens: int = 64,
+    batch_size: int = 16,
+) -> dict[str, Any]:
+    """tau of dflash and ddtree B=32, greedy, on the first `prompts` held-out prompts, with `ddtree bench`'s
+    code on the drafter as saved in `drafter_dir` (eager engine: tau does not depend on it)."""
+    from ddtree.bench import heldout_prompts, run_bench
+    from ddtree.engine.decode import Engine
+    from ddtree.runtime import eos_ids, load_pair
+    from ddtree.train.data import chat_ids
+
+    target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device)
+    if tokenizer is None:
+        raise ValueError(f"the held-out evaluation needs a tokenizer, and {target_dir!r} has none")
+    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
+    engine = Engine(target, drafter, cuda_graphs="off")
+    eos = eos_ids(tokenizer, target)
+    rows = run_bench(engine, encoded, [EVAL_BUDGET], max_new_tokens, batch_size, ["dflash", "ddtree"], eos)
+    return {
+        "prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "device": str(target.device),
+        "tau": {r.label: round(r.tau, 4) for r in rows if r.tau is not None},
+    }
+
+
+def tau_points(runs: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per label of `EVAL_LABELS`: (cumulative training minutes, tau) of every evaluated run."""
+    points: dict[str, list[tuple[float, float]]] = {label: [] for label in EVAL_LABELS}
+    for run in runs:
+        tau = run.get("eval", {}).get("tau", {})
+        for label in EVAL_LABELS:
+            if label in tau:
+                points[label].append((float(run["cumulative_seconds"]) / 60, float(tau[label])))
+    return points
