@@ -143,6 +143,8 @@ class SyncGuard:
                 stack.enter_context(_patched(owner, name, self._recorder(owner, name)))
             if not self.cuda:
                 stack.enter_context(_patched(torch.cuda, "is_available", lambda: True))
+            else:  # printing a tensor copies it to the host with dispatch modes off: watch the printer itself
+                stack.enter_context(_patched(torch._tensor_str, "_str", self._printer(torch._tensor_str._str)))
             stack.enter_context(_HostReads(self))
             DeviceTensor.guard = self
             try:
@@ -158,6 +160,14 @@ class SyncGuard:
             self.flag(label)
             if self.cuda:
                 original(*args, **kwargs)
+
+        return record
+
+    def _printer(self, original: Callable[..., str]) -> Callable[..., str]:
+        def record(t: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+            if on_device(t):
+                self.flag("Tensor.__format__ or __repr__ of device data")
+            return original(t, *args, **kwargs)
 
         return record
 

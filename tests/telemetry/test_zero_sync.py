@@ -136,10 +136,13 @@ class _Dodger(Collector):
 @pytest.mark.parametrize("later", [False, True], ids=["in-the-hook", "kept-for-a-later-hook"])
 @pytest.mark.parametrize("name", list(DODGES))
 def test_every_dodge_is_caught(name: str, later: bool) -> None:
+    if name == "numpy" and DEVICE != "cpu":
+        pytest.skip("a device tensor has no numpy view: reading it takes .cpu() first, the `cpu` dodge")
     dodge, expected = DODGES[name]
     guard = _run(_Dodger(dodge, later))
     assert guard.violations, f"{name} was not caught"
-    assert any(expected in v for v in guard.violations), guard.violations[:3]
+    if DEVICE == "cpu":  # on a GPU the dispatch mode sees .cpu(), .tolist() or np.asarray as the copy they make
+        assert any(expected in v for v in guard.violations), guard.violations[:3]
     assert all("test_zero_sync.py" in v for v in guard.violations), "the report names the line that read"
 
 
