@@ -34,8 +34,21 @@ def add_parsers(sub: Any) -> None:
     data.add_argument("--target", help="target directory; default: the default target")
     data.add_argument("--out", required=True, help="output JSONL file")
     data.add_argument("--num-prompts", type=int, default=2000)
-    data.add_argument("--prompts", help="JSONL file of {'prompt': ...} instead of the built-in prompts")
-    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument(
+        "--prompts",
+        help="JSONL file of {'prompt': TEXT} or {'messages': [TEXT, ...]} (user turns) instead of the built-in prompts",
+    )
+    data.add_argument(
+        "--multi-turn",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="give about this fraction of the one-turn prompts a second user turn, asked after the target's reply",
+    )
+    data.add_argument(
+        "--write-prompts", action="store_true", help="write the prompts to --out (as --prompts reads them) and stop"
+    )
+    data.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
     data.add_argument("--batch-size", type=int, default=64)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -150,18 +163,28 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    from ddtree.train.setup import make_data
+    from ddtree.bench import heldout_prompts
+    from ddtree.train.data import write_training_data
+    from ddtree.train.prompts import add_follow_ups, read_prompt_file, training_prompts, write_prompt_file
 
-    count = make_data(
-        args.target,
-        args.out,
-        args.num_prompts,
-        args.prompts,
-        args.max_new_tokens,
-        args.batch_size,
-        args.seed,
-        args.device,
-        args.dtype,
+    if args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if not 0 <= args.multi_turn <= 1:
+        raise UserError(f"--multi-turn is a fraction between 0 and 1, got {args.multi_turn}")
+    if args.prompts:
+        conversations = read_prompt_file(args.prompts)[: args.num_prompts]
+        if not conversations:
+            raise UserError(f"no prompts in {args.prompts!r}")
+    else:
+        texts = training_prompts(args.num_prompts, seed=args.seed, exclude=set(heldout_prompts()))
+        conversations = [[text] for text in texts]
+    conversations = add_follow_ups(conversations, args.multi_turn, seed=args.seed)
+    if args.write_prompts:
+        write_prompt_file(args.out, conversations)
+        print(f"wrote {len(conversations)} prompts to {args.out}")
+        return 0
+    count = write_training_data(
+        args.target, args.out, conversations, args.max_new_tokens, args.batch_size, args.device, args.dtype
     )
     print(f"wrote {count} sequences to {args.out}")
     return 0

@@ -1,7 +1,9 @@
 """Training data: the target's own greedy responses to chat prompts, stored as token ids.
 
-A data file is JSON lines, one sequence per line: `{"ids": [prompt + response], "prompt_len": n}`. Packed,
-the same sequences are a bundle named `data` (`ddtree.train.bundle`): safetensors shards of at most 15 MiB,
+A data file is JSON lines, one sequence per line: `{"ids": [prompt + response], "prompt_len": n}`. A
+conversation of several user turns is one sequence: each turn is asked after the target's own reply to the
+one before, and the prompt is everything before the last reply, so that only the last reply is trained on.
+Packed, the same sequences are a bundle named `data` (`ddtree.train.bundle`): safetensors shards of at most 15 MiB,
 each holding whole sequences as `ids` (all their tokens end to end, uint16 when every id is below 65,536,
 else int32), `lengths` and `prompt_len` (int32, one per sequence). About 2 bytes a token instead of 6.
 """
@@ -41,6 +43,98 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
     return [int(i) for i in tokenizer.encode(prompt)]
+
+
+def next_turn_ids(tokenizer: Any, message: str) -> list[int]:
+    """The ids that close an assistant reply and add the user turn `message`, ready for generation: what the
+    chat template writes between two replies, or without one, `message` after a blank line."""
+    text = _between_replies(tokenizer, message) if getattr(tokenizer, "chat_template", None) else "\n\n" + message
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+_REPLY = "<<ddtree-reply>>"
+
+
+def _between_replies(tokenizer: Any, message: str) -> str:
+    def render(turns: list[str], generation_prompt: bool) -> str:
+        roles = ("user", "assistant")
+        chat = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=False)
+        return str(text)
+
+    opening, closed = render(["?"], True), render(["?", _REPLY], False)
+    following = render(["?", _REPLY, message], True)
+    if not (closed.startswith(opening + _REPLY) and following.startswith(closed)):
+        raise ValueError(
+            "the chat template does not write a conversation as its turns end to end (it rewrites an earlier "
+            "turn), so the target's replies cannot be kept as generated"
+        )
+    return closed[len(opening + _REPLY) :] + following[len(closed) :]
+
+
+def generate_conversations(
+    target: Target,
+    tokenizer: Any,
+    conversations: Sequence[Sequence[str]],
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    batch_size: int = 64,
+    quiet: bool = False,
+) -> list[TrainingSequence]:
+    """The target's greedy replies to conversations of user turns, turn by turn, in batches: turn k + 1
+    follows the target's own reply to turn k, kept as generated (where the reply ends with the
+    end-of-sequence token that the template writes next, that token is not written twice). A sequence's
+    prompt is everything before its last reply."""
+    if not all(conversations):
+        raise ValueError("every conversation needs at least one user turn")
+    first = [chat_ids(tokenizer, turns[0]) for turns in conversations]
+    seqs = generate_responses(target, first, max_new_tokens, eos_token_ids, batch_size, quiet)
+    for turn in range(1, max(map(len, conversations), default=0)):
+        todo = [i for i, turns in enumerate(conversations) if len(turns) > turn]
+        prompts = [
+            _continued(seqs[i].ids, next_turn_ids(tokenizer, conversations[i][turn]), eos_token_ids) for i in todo
+        ]
+        replies = generate_responses(target, prompts, max_new_tokens, eos_token_ids, batch_size, quiet)
+        for i, seq in zip(todo, replies, strict=True):
+            seqs[i] = seq
+    return seqs
+
+
+def _continued(ids: list[int], turn: list[int], eos_token_ids: tuple[int, ...]) -> list[int]:
+    """`ids` then `turn`, less the turn's first token where the reply already ended with it."""
+    if ids and turn and ids[-1] == turn[0] and ids[-1] in eos_token_ids:
+        turn = turn[1:]
+    return ids + turn
+
+
+def write_training_data(
+    target: str | None,
+    out: str | Path,
+    conversations: Sequence[Sequence[str]],
+    max_new_tokens: int,
+    batch_size: int,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> int:
+    """Write the target's greedy replies to `conversations` (lists of user turns) as a data file; returns
+    the number of sequences. `target` is a target directory, None for the default target."""
+    from ddtree.models.default import default_target
+    from ddtree.runtime import eos_ids, load_pair
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise UserError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
+    target_model, _, tokenizer = load_pair(target if target is not None else str(default_target()), None, device, dtype)
+    if tokenizer is None:
+        raise UserError("the target has no tokenizer")
+    if any(len(turns) > 1 for turns in conversations):
+        try:
+            next_turn_ids(tokenizer, "?")
+        except ValueError as exc:
+            raise UserError(f"multi-turn prompts: {exc}") from exc
+    eos = eos_ids(tokenizer, target_model)
+    seqs = generate_conversations(target_model, tokenizer, conversations, max_new_tokens, eos, batch_size)
+    write_sequences(out, seqs)
+    return len(seqs)
 
 
 def generate_responses(

@@ -60,38 +60,6 @@ def _target_dir(target: str | None) -> str:
     return str(default_target())
 
 
-def make_data(
-    target: str | None,
-    out: str,
-    num_prompts: int,
-    prompts_file: str | None,
-    max_new_tokens: int,
-    batch_size: int,
-    seed: int,
-    device: str,
-    dtype: str,
-) -> int:
-    """Write the target's greedy responses to training prompts; returns the number of sequences."""
-    from ddtree.bench import heldout_prompts
-    from ddtree.runtime import eos_ids, load_pair
-    from ddtree.train.data import chat_ids, generate_responses, write_sequences
-    from ddtree.train.prompts import training_prompts
-
-    if num_prompts < 1 or max_new_tokens < 1 or batch_size < 1:
-        raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
-    if prompts_file:
-        texts = heldout_prompts(prompts_file)[:num_prompts]
-    else:
-        texts = training_prompts(num_prompts, seed=seed, exclude=set(heldout_prompts()))
-    target_model, _, tokenizer = load_pair(_target_dir(target), None, device, dtype)
-    if tokenizer is None:
-        raise UserError("the target has no tokenizer")
-    ids = [chat_ids(tokenizer, t) for t in texts]
-    seqs = generate_responses(target_model, ids, max_new_tokens, eos_ids(tokenizer, target_model), batch_size)
-    write_sequences(out, seqs)
-    return len(seqs)
-
-
 def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     """Train a drafter per the `drafter train` arguments; returns the training report (with the held-out
     evaluation under "eval" when asked for)."""

@@ -1,15 +1,38 @@
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors import safe_open
 
 from ddtree.cli import main
 from ddtree.errors import UserError
+from ddtree.models.target import Target
+from ddtree.runtime import eos_ids, load_pair
 from ddtree.train.bundle import read_manifest
-from ddtree.train.data import TrainingSequence, pack_sequences, read_sequences, unpack_sequences, write_sequences
+from ddtree.train.data import (
+    TrainingSequence,
+    _continued,
+    chat_ids,
+    generate_conversations,
+    generate_responses,
+    next_turn_ids,
+    pack_sequences,
+    read_sequences,
+    unpack_sequences,
+    write_sequences,
+)
+from ddtree.train.prompts import FOLLOW_UPS, write_prompt_file
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+USER_ONLY = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+CONVERSATIONS = [["Name a colour.", "And another one?"], ["Count to three."], ["Hi", "Why?", "Really?"]]
 
 
 def _sequences(seed: int, count: int, top: int) -> list[TrainingSequence]:
@@ -60,3 +83,65 @@ def test_a_missing_or_damaged_shard_is_named(tmp_path: Path) -> None:
 def test_a_sequence_larger_than_a_shard_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sequence 0 alone needs 2008 bytes"):
         pack_sequences([TrainingSequence(list(range(1000)), 1)], tmp_path, shard_bytes=1024)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_dirs: tuple[Path, Path]) -> tuple[Target, Any]:
+    """The tiny target on disk and its byte tokenizer (no chat template), in float32 on the CPU."""
+    target, _, tokenizer = load_pair(str(tiny_dirs[0]), None, "cpu", "float32")
+    return target, tokenizer
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE])
+def test_a_later_turn_follows_the_targets_own_reply(
+    tiny_target: tuple[Target, Any], template: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, tokenizer = tiny_target
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    eos = eos_ids(tokenizer, target)
+    seqs = generate_conversations(target, tokenizer, CONVERSATIONS, 10, eos, batch_size=2, quiet=True)
+    for turns, seq in zip(CONVERSATIONS, seqs, strict=True):
+        context = chat_ids(tokenizer, turns[0])
+        for turn in turns[1:]:
+            (alone,) = generate_responses(target, [context], 10, eos, quiet=True)  # the reply, asked alone
+            assert seq.ids[: len(alone.ids)] == alone.ids
+            context = alone.ids + next_turn_ids(tokenizer, turn)
+        assert seq.ids[: seq.prompt_len] == context, "the prompt is everything before the last reply"
+        assert generate_responses(target, [context], 10, eos, quiet=True) == [seq]
+        text = tokenizer.decode(seq.ids)
+        assert all(turn in text for turn in turns)
+
+
+def test_the_turns_between_replies_are_the_chat_templates(
+    tiny_target: tuple[Target, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, tokenizer = tiny_target
+    assert tokenizer.decode(next_turn_ids(tokenizer, "Why?")) == "\n\nWhy?"
+    monkeypatch.setattr(tokenizer, "chat_template", TEMPLATE)
+    assert tokenizer.decode(next_turn_ids(tokenizer, "Why?")) == "\n<user>Why?\n<assistant>"
+    monkeypatch.setattr(tokenizer, "chat_template", USER_ONLY)
+    with pytest.raises(ValueError, match="rewrites an earlier turn"):
+        next_turn_ids(tokenizer, "Why?")
+
+
+def test_an_end_of_sequence_token_stands_for_the_templates_end_of_turn() -> None:
+    eos = (7, 9)
+    assert _continued([1, 2, 7], [7, 3, 4], eos) == [1, 2, 7, 3, 4], "the reply ended with the turn's end"
+    assert _continued([1, 2, 9], [7, 3, 4], eos) == [1, 2, 9, 7, 3, 4], "another end: the template's follows"
+    assert _continued([1, 2, 3], [3, 4], eos) == [1, 2, 3, 3, 4], "a reply cut at the length limit"
+
+
+def test_drafter_data_takes_conversations(
+    tiny_dirs: tuple[Path, Path], tiny_target: tuple[Target, Any], tmp_path: Path
+) -> None:
+    write_prompt_file(tmp_path / "prompts.jsonl", CONVERSATIONS)
+    argv = ["drafter", "data", "--target", str(tiny_dirs[0]), "--prompts", str(tmp_path / "prompts.jsonl")]
+    argv += ["--max-new-tokens", "6", "--device", "cpu", "--dtype", "float32", "--multi-turn", "1"]
+    assert main([*argv, "--out", str(tmp_path / "data.jsonl")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    texts = [tiny_target[1].decode(r["ids"][: r["prompt_len"]]) for r in records]
+    assert len(texts) == len(CONVERSATIONS)
+    assert all(turn in text for text, turns in zip(texts, CONVERSATIONS, strict=True) for turn in turns)
+    assert any(f in texts[1] for f in FOLLOW_UPS), "--multi-turn 1: a follow-up for the one-turn prompt"
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main([*argv[:4], "--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.jsonl")]) == 2
