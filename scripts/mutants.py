@@ -42,6 +42,7 @@ SAMPLING = ("tests/ddtree/test_sampling.py",)
 FLOOR = ("tests/ddtree/models/test_acceptance_floor.py",)
 RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collector.py")
 ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
+ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
 
 
 def _mutants() -> list[Mutant]:
@@ -250,6 +251,25 @@ def _mutants() -> list[Mutant]:
                 ),
             ),
             ZERO_SYNC,
+        ),
+        Mutant(
+            "attention-tree-mask-ignored",
+            "the Triton tree attention lets every tree token see all of this forward's tokens",
+            "ddtree/kernels/_tree_attention_triton.py",
+            (
+                (
+                    "allowed = tl.load(vis_ptrs, mask=row_ok[:, None] & j_ok[None, :], other=0) != 0",
+                    "allowed = row_ok[:, None] & j_ok[None, :]",
+                ),
+            ),
+            ATTENTION,
+        ),
+        Mutant(
+            "attention-prefix-one-short",
+            "the Triton tree attention misses the last committed slot",
+            "ddtree/kernels/_tree_attention_triton.py",
+            (("        kv_ok = slot < length\n", "        kv_ok = slot < length - 1\n"),),
+            ATTENTION,
         ),
     ]
 
