@@ -71,7 +71,7 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
             "--attention",
             choices=ATTENTION_CHOICES,
             default="auto",
-            help="attention of target and drafter: sdpa with a dense mask, or a Triton kernel (auto: Triton on CUDA)",
+            help="target attention: sdpa with a dense mask, or the Triton tree kernel (auto: Triton on CUDA)",
         )
 
 

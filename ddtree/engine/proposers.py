@@ -41,10 +41,9 @@ class Proposer(Protocol):
         cache: KVCache | None,
         span: int,
         fused: bool,
-        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`); `fused`: use
-        the drafter's compiled regions (`compile_layers`); `attention`: `sdpa` or `triton`."""
+        the drafter's compiled regions (`compile_layers`)."""
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         """The tree to verify."""
@@ -73,7 +72,6 @@ class NoDraft:
         cache: KVCache | None,
         span: int,
         fused: bool,
-        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         return None
 
@@ -110,12 +108,11 @@ class DrafterProposer:
         cache: KVCache | None,
         span: int,
         fused: bool,
-        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         assert cache is not None and context is not None, "the target must emit features for the drafter"
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root
-        hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused, attention)
+        hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused)
         return self.target.head(hidden[:, 1:])  # [batch, depth, vocab]
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
