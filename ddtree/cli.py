@@ -8,13 +8,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddtree import cli_analysis, cli_drafter
 from ddtree.errors import UserError
 from ddtree.kernels import ATTENTION_CHOICES
 from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
+
+if TYPE_CHECKING:
+    from ddtree.runtime import EngineOptions
 
 EXIT_USAGE = 2
 
@@ -73,6 +76,12 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
             default="auto",
             help="target attention: sdpa with a dense mask, or the Triton tree kernel (auto: Triton on CUDA)",
         )
+
+
+def _engine_options(args: argparse.Namespace) -> EngineOptions:
+    from ddtree.runtime import EngineOptions
+
+    return EngineOptions(args.device, args.dtype, args.cuda_graphs, args.tree_kernel, args.attention)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,11 +190,7 @@ def _generate(args: argparse.Namespace) -> int:
         model=args.model,
         drafter=args.drafter,
         generation=generation,
-        device=args.device,
-        dtype=args.dtype,
-        cuda_graphs=args.cuda_graphs,
-        tree_kernel=args.tree_kernel,
-        attention=args.attention,
+        options=_engine_options(args),
         prompts=args.prompt,
         prompt_ids=[_parse_ids(text) for text in args.prompt_ids] if args.prompt_ids else None,
         chat=args.chat or (args.model is None and args.prompt is not None),
@@ -212,8 +217,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def _bench(args: argparse.Namespace) -> int:
     from ddtree.bench import format_rows, heldout_prompts, hf_generate_row, rows_json, run_bench
-    from ddtree.engine.decode import Engine
-    from ddtree.runtime import check_engine_options, eos_ids, load_pair, resolve_paths
+    from ddtree.runtime import eos_ids, resolve_paths
     from ddtree.train.data import chat_ids
 
     if args.tree_build:
@@ -224,19 +228,18 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
-    check_engine_options(args.device, args.cuda_graphs, args.tree_kernel, args.attention, args.dtype)
+    options = _engine_options(args)
+    options.check()
     prompts = heldout_prompts(args.prompts)[: args.limit]
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
-    target, drafter, tokenizer = load_pair(model, drafter_dir, args.device, args.dtype)
+    target, drafter, tokenizer = options.load_pair(model, drafter_dir)
     if tokenizer is None:
         raise UserError("bench needs a model with a tokenizer")
     if args.telemetry_overhead:
         return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
-    engine = Engine(
-        target, drafter, cuda_graphs=args.cuda_graphs, tree_kernel=args.tree_kernel, attention=args.attention
-    )
+    engine = options.engine(target, drafter)
     rows = run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
     if args.baseline:  # after ours, so that its compiled forward cannot touch our runs' state
         rows.insert(0, hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos))
@@ -329,11 +332,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
-        device=args.device,
-        dtype=args.dtype,
-        cuda_graphs=args.cuda_graphs,
-        tree_kernel=args.tree_kernel,
-        attention=args.attention,
+        options=_engine_options(args),
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
 

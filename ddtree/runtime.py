@@ -16,8 +16,51 @@ from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.target import Target, load_target, read_target_config
 from ddtree.train.data import chat_ids
 from telemetry import TelemetryConfig, start_telemetry
+from telemetry.hooks import NOOP, StepObserver
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Where and how the engine runs: the device flags that `generate`, `bench` and `serve` share."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    cuda_graphs: str = "auto"
+    tree_kernel: str = "auto"
+    attention: str = "auto"
+
+    def check(self) -> None:
+        """Against the device they would run on, before anything loads (UserError, in the words of the
+        flags: the engine itself raises ValueError for the same combinations)."""
+        if self.cuda_graphs == "on" and resolve_device(self.device).type != "cuda":
+            raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
+        if self.tree_kernel == "triton":
+            from ddtree.kernels.tree_build import triton_available
+
+            if not triton_available():
+                raise UserError("--tree-kernel triton needs triton and a CUDA device")
+        if self.attention == "triton":
+            from ddtree.kernels.tree_attention import triton_attention_available
+
+            if not triton_attention_available(resolve_device(self.device)):
+                raise UserError("--attention triton needs triton and a CUDA device")
+            if self.dtype == "float64":
+                raise UserError("--attention triton takes float32, bfloat16 or float16, not --dtype float64")
+
+    def load_pair(self, model: str, drafter: str | None) -> tuple[Target, DFlashDrafter | None, Any]:
+        return load_pair(model, drafter, self.device, self.dtype)
+
+    def engine(self, target: Target, drafter: DFlashDrafter | None, observer: StepObserver = NOOP) -> Engine:
+        return Engine(
+            target,
+            drafter,
+            observer=observer,
+            cuda_graphs=self.cuda_graphs,
+            tree_kernel=self.tree_kernel,
+            attention=self.attention,
+        )
 
 
 @dataclass(frozen=True)
@@ -25,11 +68,7 @@ class GenerateRequest:
     model: str | None  # None: the default pair
     drafter: str | None
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    device: str = "auto"
-    dtype: str = "auto"
-    cuda_graphs: str = "auto"
-    tree_kernel: str = "auto"
-    attention: str = "auto"
+    options: EngineOptions = field(default_factory=EngineOptions)
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
@@ -134,35 +173,14 @@ def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def check_engine_options(
-    device: str, cuda_graphs: str, tree_kernel: str, attention: str = "auto", dtype: str = "auto"
-) -> None:
-    """The engine options against the device they would run on, before anything loads (UserError, in the
-    words of the flags: the engine itself raises ValueError for the same combinations)."""
-    if cuda_graphs == "on" and resolve_device(device).type != "cuda":
-        raise UserError("--cuda-graphs on needs a CUDA device (--device cuda)")
-    if tree_kernel == "triton":
-        from ddtree.kernels.tree_build import triton_available
-
-        if not triton_available():
-            raise UserError("--tree-kernel triton needs triton and a CUDA device")
-    if attention == "triton":
-        from ddtree.kernels.tree_attention import triton_attention_available
-
-        if not triton_attention_available(resolve_device(device)):
-            raise UserError("--attention triton needs triton and a CUDA device")
-        if dtype == "float64":
-            raise UserError("--attention triton takes float32, bfloat16 or float16, not --dtype float64")
-
-
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
-    check_engine_options(request.device, request.cuda_graphs, request.tree_kernel, request.attention, request.dtype)
+    request.options.check()
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
     model, drafter_dir = resolve_paths(request.model, request.drafter, request.generation.method)
     check_request(request, int(read_target_config(model).vocab_size))
-    target, drafter, tokenizer = load_pair(model, drafter_dir, request.device, request.dtype)
+    target, drafter, tokenizer = request.options.load_pair(model, drafter_dir)
     prompts = encode_prompts(request, tokenizer)
     config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
     telemetry = start_telemetry(
@@ -171,15 +189,7 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
         detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
     )
     try:
-        engine = Engine(
-            target,
-            drafter,
-            observer=telemetry.observer,
-            cuda_graphs=request.cuda_graphs,
-            tree_kernel=request.tree_kernel,
-            attention=request.attention,
-        )
-        result = engine.generate(prompts, config)
+        result = request.options.engine(target, drafter, telemetry.observer).generate(prompts, config)
     finally:
         telemetry.shutdown()
     for out in result.outputs:

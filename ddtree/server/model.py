@@ -10,7 +10,7 @@ from ddtree.engine.decode import Engine, GenerationConfig
 from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.methods import get_method
-from ddtree.runtime import GenerateRequest, check_engine_options, check_request, eos_ids, load_pair, resolve_paths
+from ddtree.runtime import EngineOptions, GenerateRequest, check_request, eos_ids, resolve_paths
 from telemetry import TelemetryConfig, start_telemetry
 
 DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller
@@ -29,19 +29,13 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20  # a request body over this is refused with 413
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish once shutdown starts
-    device: str = "auto"
-    dtype: str = "auto"
-    cuda_graphs: str = "auto"
-    tree_kernel: str = "auto"
-    attention: str = "auto"
+    options: EngineOptions = field(default_factory=EngineOptions)
 
 
 def check_settings(settings: ServerSettings) -> None:
     """Check what can be checked before anything loads (UserError, in the words of the flags)."""
     check_request(_generate_request(settings))
-    check_engine_options(
-        settings.device, settings.cuda_graphs, settings.tree_kernel, settings.attention, settings.dtype
-    )
+    settings.options.check()
     for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -83,7 +77,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
     check_settings(settings)
     model, drafter_dir = resolve_paths(settings.model, settings.drafter, settings.method)
     facts = get_method(settings.method)
-    target, drafter, tokenizer = load_pair(model, drafter_dir, settings.device, settings.dtype)
+    target, drafter, tokenizer = settings.options.load_pair(model, drafter_dir)
     vocab_size = int(target.config.vocab_size)
     check_request(_generate_request(settings), vocab_size)
     max_model_len = _max_model_len(settings.max_model_len, target.config)
@@ -95,14 +89,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
         model_name=Path(model).name,
         detokenize=lambda ids: str(tokenizer.decode(ids)),
     )
-    engine = Engine(
-        target,
-        drafter,
-        observer=telemetry.observer,
-        cuda_graphs=settings.cuda_graphs,
-        tree_kernel=settings.tree_kernel,
-        attention=settings.attention,
-    )
+    engine = settings.options.engine(target, drafter, telemetry.observer)
     budget, topk = facts.tree_shape(settings.budget, settings.topk, drafter.depth if drafter is not None else 0)
     if facts.needs_drafter and topk is None:
         topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given

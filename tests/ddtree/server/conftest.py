@@ -15,6 +15,7 @@ import pytest
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from ddtree.runtime import EngineOptions  # noqa: E402
 from ddtree.server.app import create_app  # noqa: E402
 from ddtree.server.model import ServedModel, ServerSettings, load_model  # noqa: E402
 
@@ -32,7 +33,7 @@ def settings_for(tiny_dirs: tuple[Path, Path], **overrides: Any) -> ServerSettin
         max_batch_size=3,
         max_queue=8,
         max_model_len=MAX_MODEL_LEN,
-        dtype="float64",
+        options=EngineOptions(dtype="float64"),
     )
     return replace(base, **overrides)
 
