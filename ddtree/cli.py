@@ -74,7 +74,7 @@ def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
             "--attention",
             choices=ATTENTION_CHOICES,
             default="auto",
-            help="target attention: sdpa with a dense mask, or the Triton tree kernel (auto: Triton on CUDA)",
+            help="attention (target, drafter): sdpa with a dense mask or the Triton tree kernel (auto: Triton on CUDA)",
         )
 
 

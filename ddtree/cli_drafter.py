@@ -1,7 +1,8 @@
 """`ddtree drafter ...`: make, train and move DFlash drafters (argument glue over `ddtree.train`).
 
 - init, data, train: a random drafter, training data (the target's responses), training.
-- pack-data: a JSONL data file -> a packed data directory (about a third of the size).
+- pack-data: JSONL data files or packed directories -> one packed data directory (about a third of the size of
+  the JSONL), their sequences in the order given.
 - state export / import: a drafter directory's trainer state <-> a compact bundle (`ddtree.train.state`).
 - part / gather: bundles -> parts within file-count and size limits, and back (`ddtree.train.bundle`).
 """
@@ -102,8 +103,10 @@ def _train_parser(drafter: Any) -> None:
 
 
 def _travel_parsers(drafter: Any) -> None:
-    pack = drafter.add_parser("pack-data", help="a JSONL data file -> a packed data directory (safetensors shards)")
-    pack.add_argument("data", help="JSONL file of `drafter data`")
+    pack = drafter.add_parser(
+        "pack-data", help="JSONL data files or packed directories -> one packed data directory (safetensors shards)"
+    )
+    pack.add_argument("data", nargs="+", help="JSONL files of `drafter data` or directories of `pack-data`, merged")
     pack.add_argument("out", help="output directory (data.json and data-*.safetensors)")
     pack.add_argument("--shard-mib", type=float, default=15.0, help="the most one shard file holds")
     pack.set_defaults(func=_pack_data)
@@ -223,7 +226,8 @@ def _pack_data(args: argparse.Namespace) -> int:
 
     shard_bytes = _shard_bytes(args.shard_mib)
     with _as_user_errors():
-        meta = pack_sequences(read_sequences(args.data, min_response=0), Path(args.out), shard_bytes)
+        sequences = [seq for path in args.data for seq in read_sequences(path, min_response=0)]
+        meta = pack_sequences(sequences, Path(args.out), shard_bytes)
     print(f"packed {meta['sequences']} sequences ({meta['tokens']} tokens, {meta['ids_dtype']}) into {args.out}")
     return 0
 

@@ -41,9 +41,10 @@ class Proposer(Protocol):
         cache: KVCache | None,
         span: int,
         fused: bool,
+        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`); `fused`: use
-        the drafter's compiled regions (`compile_layers`)."""
+        the drafter's compiled regions (`compile_layers`); `attention`: `sdpa` or `triton`."""
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         """The tree to verify."""
@@ -72,6 +73,7 @@ class NoDraft:
         cache: KVCache | None,
         span: int,
         fused: bool,
+        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         return None
 
@@ -108,11 +110,12 @@ class DrafterProposer:
         cache: KVCache | None,
         span: int,
         fused: bool,
+        attention: str = "sdpa",
     ) -> torch.Tensor | None:
         assert cache is not None and context is not None, "the target must emit features for the drafter"
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root
-        hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused)
+        hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused, attention)
         return self.target.head(hidden[:, 1:])  # [batch, depth, vocab]
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:

@@ -115,7 +115,7 @@ class DecodeSession:
         self.target = target
         self.method = method
         self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
-        self.attention = resolve_attention(attention, target.device, target.dtype)  # the target's: sdpa or triton
+        self.attention = resolve_attention(attention, target.device, target.dtype)  # target and drafter: sdpa or triton
         self.observer = observer
         self.capacity = capacity
         self.cuda_graphs = cuda_graphs
@@ -372,7 +372,9 @@ class DecodeSession:
 
     def _draft(self, bag: Bag) -> None:
         r: _Rows = bag["rows"]
-        bag["logits"] = self.proposer.draft(r.root, r.context, r.counts, r.draft_cache, bag["span"], self.fused)
+        bag["logits"] = self.proposer.draft(
+            r.root, r.context, r.counts, r.draft_cache, bag["span"], self.fused, self.attention
+        )
 
     def _build(self, bag: Bag) -> None:
         tree = self.proposer.build(bag["logits"], bag["rows"].n)

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ddtree.errors import UserError
+from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
 from ddtree.models.layers import merge_heads, residual_mlp
 
@@ -145,6 +146,7 @@ class DFlashDrafter(nn.Module):
         cache: KVCache,
         key_span: int,
         fused: bool = True,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """Append context features to the cache, then run one block. Returns normed hidden states.
 
@@ -152,11 +154,31 @@ class DFlashDrafter(nn.Module):
         `context` `[batch, n, features]` are new target features, of which the first `context_counts[b]`
         are real. The block sits right after the context. `key_span` bounds the committed lengths after the
         append; slots past a request's length are masked. `fused=False` runs eagerly even after
-        `compile_layers`.
+        `compile_layers`. `attention` is `sdpa` (the cached context and the block's keys concatenated, under
+        a mask) or `triton` (`ddtree.kernels.tree_attention`: the block's keys go into the cache's scratch
+        slots after the context, and one kernel reads both in place).
         """
         self.append_context(context, context_counts, cache, fused)
+        batch, block = block_embeds.shape[:2]
+        lengths = cache.lengths
+        if attention == "triton":
+            slots = lengths[:, None] + torch.arange(block, device=lengths.device)[None, :]  # [batch, block]
+            everything = torch.ones((batch, block, block), dtype=torch.bool, device=lengths.device)
+
+            def in_place(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                cache.write(i, slots, k, v)  # scratch: the next context append overwrites these slots
+                return tree_attention(q, cache.keys[i], cache.values[i], lengths, everything)
+
+            return self._run_block(block_embeds, lengths, in_place, fused)
         context_kv = [cache.read(i, key_span) for i in range(len(self.layers))]
-        return self._run_block(block_embeds, cache.lengths, context_kv, fused)
+        visible = torch.arange(key_span, device=lengths.device)[None, :] < lengths[:, None]  # [batch, span]
+        ones = torch.ones((batch, block), dtype=torch.bool, device=lengths.device)
+        mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
+
+        def concatenated(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend(q, k, v, context_kv[i], mask)
+
+        return self._run_block(block_embeds, lengths, concatenated, fused)
 
     def compile_layers(self) -> None:
         """Fuse the work around attention with `torch.compile` (inference only): the context projection and,
@@ -177,25 +199,21 @@ class DFlashDrafter(nn.Module):
         self,
         block_embeds: torch.Tensor,
         lengths: torch.Tensor,
-        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        attend_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         fused: bool,
     ) -> torch.Tensor:
-        """The block right after each request's `lengths` committed tokens, attending to the cached context
-        `context_kv` (per layer, `[batch, kv_heads, span, head_dim]`; slots past `lengths` are masked)."""
-        batch, block = block_embeds.shape[:2]
-        span = context_kv[0][0].shape[2]
-        device = block_embeds.device
-        block_pos = lengths[:, None] + torch.arange(block, device=device)[None, :]  # [batch, block]
+        """The block right after each request's `lengths` committed tokens. `attend_layer(i, q, k, v)` is layer
+        i's attention of the block's queries over the cached context and the block's own keys and values
+        (each `[batch, heads or kv_heads, block, head_dim]`)."""
+        block = block_embeds.shape[1]
+        block_pos = lengths[:, None] + torch.arange(block, device=block_embeds.device)[None, :]  # [batch, block]
         cos, sin = self.rotary(block_embeds, block_pos)
-        visible = torch.arange(span, device=device)[None, :] < lengths[:, None]  # [batch, span]
-        ones = torch.ones((batch, block), dtype=torch.bool, device=device)
-        mask = torch.cat([visible, ones], dim=1)[:, None, None, :]  # [batch, 1, 1, span + block]
         x = block_embeds
         qkv, rest = (self._block_qkv, self._residual_mlp) if fused else (_block_qkv, residual_mlp)
         layer: Any
         for i, layer in enumerate(self.layers):
             q, k, v = qkv(layer, x, cos, sin)
-            x = rest(layer, x, attend(q, k, v, context_kv[i], mask))
+            x = rest(layer, x, attend_layer(i, q, k, v))
         out: torch.Tensor = self.norm(x)
         return out
 

@@ -141,3 +141,23 @@ def test_engine_with_the_triton_attention_equals_ar(method: str) -> None:
     plain = Engine(target, drafter, attention="sdpa").generate(prompts, config)
     assert [o.token_ids for o in fused.outputs] == [o.token_ids for o in ar.outputs]
     assert [o.acceptance_lengths for o in fused.outputs] == [o.acceptance_lengths for o in plain.outputs]
+
+
+def test_the_drafter_block_through_the_kernel_equals_sdpa() -> None:
+    """The drafter's block attends to its cached context and to itself: in place through the kernel (the
+    block's keys in the cache's scratch slots) as with the concatenated keys under a mask."""
+    from tests.helpers import tiny_pair
+
+    target, drafter = tiny_pair(4, vocab=24, block_size=5, dtype=torch.float32)
+    features = len(drafter.target_layer_ids) * target.hidden_size
+    gen = torch.Generator().manual_seed(4)
+    context = torch.randn((3, 7, features), generator=gen).to(DEVICE)  # [batch, n, features]
+    counts = torch.tensor([7, 2, 5], device=DEVICE)  # real context rows per request
+    block = target.embed(torch.randint(0, 24, (3, 5), generator=gen).to(DEVICE))  # [batch, block, hidden]
+    outs = []
+    for attention in ("sdpa", "triton"):
+        cache = drafter.new_cache(3, 32, torch.float32, DEVICE)
+        with torch.no_grad():
+            outs.append(drafter(block, context, counts, cache, 16, fused=False, attention=attention))
+        assert torch.equal(cache.lengths, counts)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -61,6 +61,15 @@ def test_packed_data_reads_back_as_the_jsonl_file(tmp_path: Path, capsys: pytest
     assert sum(f.bytes for f in manifest.files) < 0.5 * jsonl
 
 
+def test_pack_data_merges_jsonl_files_and_packed_directories_in_order(tmp_path: Path) -> None:
+    first, second = _sequences(3, 40, top=500), _sequences(4, 25, top=500)
+    pack_sequences(first, tmp_path / "old")
+    write_sequences(tmp_path / "new.jsonl", second)
+    argv = ["drafter", "pack-data", str(tmp_path / "old"), str(tmp_path / "new.jsonl"), str(tmp_path / "both")]
+    assert main(argv) == 0
+    assert unpack_sequences(tmp_path / "both") == first + second
+
+
 def test_ids_beyond_uint16_pack_as_int32(tmp_path: Path) -> None:
     seqs = _sequences(1, 30, top=200_000)
     meta = pack_sequences(seqs, tmp_path)
