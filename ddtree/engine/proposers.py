@@ -19,6 +19,7 @@ from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.tree import DraftTree, build_tree, root_only_tree
+from ddtree.verify import ancestor_mask
 
 TREE_KERNELS = ("auto", "torch", "triton")
 
@@ -48,6 +49,9 @@ class Proposer(Protocol):
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         """The tree to verify."""
+
+    def ancestors(self, tree: DraftTree) -> torch.Tensor:
+        """`ddtree.verify.ancestor_mask(tree)`, `[batch, nodes, nodes]` bool."""
 
 
 class NoDraft:
@@ -80,6 +84,9 @@ class NoDraft:
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         return root_only_tree(batch, self.device)
 
+    def ancestors(self, tree: DraftTree) -> torch.Tensor:
+        return ancestor_mask(tree)
+
 
 class DrafterProposer:
     """A DFlash drafter and a tree shape: a chain (`dflash`) or the top-`budget` prefixes (`ddtree`)."""
@@ -87,7 +94,7 @@ class DrafterProposer:
     def __init__(
         self, drafter: DFlashDrafter, target: Target, budget: int, topk: int | None, tree_kernel: str = "auto"
     ) -> None:
-        self.build_tree = _tree_builder(tree_kernel, target.device)
+        self.build_tree, self.ancestor_mask = _tree_builder(tree_kernel, target.device)
         self.drafter = drafter
         self.target = target
         self.budget = budget
@@ -122,22 +129,29 @@ class DrafterProposer:
         assert logits is not None
         return self.build_tree(logits, self.budget, self.topk)
 
+    def ancestors(self, tree: DraftTree) -> torch.Tensor:
+        return self.ancestor_mask(tree)
 
-def _tree_builder(kernel: str, device: torch.device) -> Callable[[torch.Tensor, int, int | None], DraftTree]:
-    """`torch`: `ddtree.tree.build_tree`; `triton`: the fused kernels, which build the same tree; `auto`:
+
+def _tree_builder(
+    kernel: str, device: torch.device
+) -> tuple[Callable[[torch.Tensor, int, int | None], DraftTree], Callable[[DraftTree], torch.Tensor]]:
+    """The tree build and its ancestor matrix. `torch`: `ddtree.tree.build_tree` and
+    `ddtree.verify.ancestor_mask`; `triton`: the fused kernels, which give the same tree and matrix; `auto`:
     triton on CUDA where it imports, else torch."""
     if kernel == "auto":
         from ddtree.kernels.tree_build import default_tree_kernel
 
         kernel = default_tree_kernel(device)
     if kernel == "torch":
-        return build_tree
+        return build_tree, ancestor_mask
     if kernel == "triton":
+        from ddtree.kernels.ancestors import ancestor_mask_fused
         from ddtree.kernels.tree_build import build_tree_fused, triton_available
 
         if not triton_available():
             raise ValueError("the triton tree kernel needs triton and a CUDA device")
-        return build_tree_fused
+        return build_tree_fused, ancestor_mask_fused
     raise ValueError(f"tree kernel must be one of {', '.join(TREE_KERNELS)}, got {kernel!r}")
 
 

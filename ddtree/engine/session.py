@@ -29,7 +29,7 @@ from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.sampling import choose_tokens
-from ddtree.verify import accept, ancestor_mask
+from ddtree.verify import accept
 from telemetry import semconv
 from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
 
@@ -379,7 +379,7 @@ class DecodeSession:
     def _build(self, bag: Bag) -> None:
         tree = self.proposer.build(bag["logits"], bag["rows"].n)
         bag["tree"] = tree
-        bag["ancestors"] = ancestor_mask(tree)  # [slots, nodes, nodes]
+        bag["ancestors"] = self.proposer.ancestors(tree)  # [slots, nodes, nodes]
 
     def _verify(self, bag: Bag) -> None:
         tree, r = bag["tree"], bag["rows"]
