@@ -43,6 +43,7 @@ FLOOR = ("tests/ddtree/models/test_acceptance_floor.py",)
 RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collector.py")
 ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
 ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
+ANCESTORS = ("tests/ddtree/kernels/test_ancestors.py",)
 
 
 def _mutants() -> list[Mutant]:
@@ -270,6 +271,13 @@ def _mutants() -> list[Mutant]:
             "ddtree/kernels/_tree_attention_triton.py",
             (("        kv_ok = slot < length\n", "        kv_ok = slot < length - 1\n"),),
             ATTENTION,
+        ),
+        Mutant(
+            "ancestors-skip-self",
+            "the Triton ancestor matrix leaves out each node itself",
+            "ddtree/kernels/_ancestors_triton.py",
+            (("tl.uint8), mask=ok)\n", "tl.uint8), mask=ok & (cur != i))\n"),),
+            ANCESTORS,
         ),
     ]
 
