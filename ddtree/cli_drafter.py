@@ -56,6 +56,13 @@ def add_parsers(sub: Any) -> None:
     data.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
     data.set_defaults(func=_data)
 
+    grow = drafter.add_parser("grow", help="a deeper drafter whose new layers add nothing yet (same drafts)")
+    grow.add_argument("drafter", help="drafter directory to grow from")
+    grow.add_argument("--num-layers", type=int, required=True, help="layers of the grown drafter")
+    grow.add_argument("--out", required=True, help="output directory")
+    grow.add_argument("--seed", type=int, default=0, help="initialises the new layers' other weights")
+    grow.set_defaults(func=_grow)
+
     _train_parser(drafter)
     _travel_parsers(drafter)
 
@@ -162,6 +169,25 @@ def _init(args: argparse.Namespace) -> int:
     )
     save_drafter(drafter, args.out)
     print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
+    return 0
+
+
+def _grow(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors import safe_open
+
+    from ddtree.models.dflash import WEIGHTS_NAME, load_drafter, save_drafter
+    from ddtree.train.grow import grow_drafter
+
+    source = load_drafter(args.drafter, torch.device("cpu"), torch.float32)
+    with safe_open(str(Path(args.drafter) / WEIGHTS_NAME), "pt") as f:
+        dtype = f.get_tensor(next(iter(f.keys()))).dtype  # the grown drafter is saved as its source was
+    try:
+        grown = grow_drafter(source, args.num_layers, args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    save_drafter(grown, args.out, dtype)
+    print(f"wrote a {args.num_layers}-layer drafter grown from {len(source.layers)} layers to {args.out}")
     return 0
 
 
