@@ -8,17 +8,20 @@ allclose), `tie_equiv` (not exact, but the fused tree is a valid tree of equally
 log-probs, parents before children, each node's log-prob = its parent's + its token's), and `bad` (anything
 else: a real bug). It also counts rows whose vocab top-k ids differ from torch's (`topk_id_rows`). Part 2 times
 both paths with triton.testing.do_bench (median) and as CUDA graph replays. Each variant catches and prints its
-own exception, so one failure does not hide the rest.
+own exception, so one failure does not hide the rest. Part 1 runs twice: with the module's knobs, then with
+every threshold search at 4 bits a round (`RADIX_KNOBS`). `--knobs` also times the tuning knobs of
+`ddtree.kernels.tree_build` (vocab chunk, bitonic selection, radix bits of each kernel's threshold search).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from ddtree.kernels.tree_build import beam_tree, build_tree_fused, triton_availa
 from ddtree.tree import DraftTree, build_tree
 
 FIELDS = ("tokens", "parents", "depths", "num_nodes")
+RADIX_KNOBS = ("_RADIX_BITS_VOCAB", "_RADIX_BITS_MERGE", "_RADIX_BITS_BEAM")
 # (batch, depth, vocab, budget, topk, dtype, logit scale)
 SHAPES: list[tuple[int, int, int, int, int | None, str, float]] = [
     (32, 15, 49152, 256, None, "float32", 3.0),
@@ -152,27 +156,44 @@ def _knob_row(fn: Callable[[], object], **labels: Any) -> dict[str, Any]:
     return row
 
 
-def time_knobs() -> list[dict[str, Any]]:
-    """Microseconds of the two fused stages under the module's tuning knobs (batch 32, depth 15, vocab 49152)."""
-    rows: list[dict[str, Any]] = []
-    saved = (tree_build._CHUNK, tree_build._BITONIC_MERGE, tree_build._BITONIC_BEAM)
+@contextlib.contextmanager
+def knobs(**values: Any) -> Iterator[None]:
+    """Set module knobs of `ddtree.kernels.tree_build` (`_CHUNK=2048`, ...) inside the block, then restore them."""
+    saved = {name: getattr(tree_build, name) for name in values}
     try:
-        for dtype in ("float32", "bfloat16"):
-            logits = (torch.randn((32, 15, 49152), device="cuda") * 3).to(getattr(torch, dtype))
-            for chunk, bitonic in ((4096, False), (4096, True), (2048, False), (8192, False)):
-                tree_build._CHUNK, tree_build._BITONIC_MERGE = chunk, bitonic
-                fn = functools.partial(vocab_topk, logits, 256)
-                rows.append(_knob_row(fn, stage="vocab k=256", dtype=dtype, chunk=chunk, bitonic=bitonic))
-            tree_build._CHUNK, tree_build._BITONIC_MERGE = saved[0], saved[1]
-        logits = torch.randn((32, 15, 49152), device="cuda") * 3
-        for budget in (32, 256):
-            top_lp, top_ids = vocab_topk(logits, budget)
-            for bitonic in (False, True):
-                tree_build._BITONIC_BEAM = bitonic
-                fn = functools.partial(beam_tree, top_lp, top_ids, budget)
-                rows.append(_knob_row(fn, stage=f"beam B={budget}", dtype="float32", bitonic=bitonic))
+        for name, value in values.items():
+            setattr(tree_build, name, value)
+        yield
     finally:
-        tree_build._CHUNK, tree_build._BITONIC_MERGE, tree_build._BITONIC_BEAM = saved
+        for name, value in saved.items():
+            setattr(tree_build, name, value)
+
+
+def time_knobs() -> list[dict[str, Any]]:
+    """Microseconds of the two fused stages under the module's tuning knobs (depth 15, vocab 49152), each row
+    labelled with the knobs it sets: the vocab stage (batch 32) by chunk, bitonic merge and the radix bits of the
+    partial and merge searches; the beam (batch 1 and 32, budgets 32 to 256) by bitonic selection and radix bits."""
+    rows: list[dict[str, Any]] = []
+    names = ("_CHUNK", "_BITONIC_MERGE", "_RADIX_BITS_VOCAB", "_RADIX_BITS_MERGE")
+    vocab_variants = [(4096, False, 1, 1), (4096, True, 1, 1), (2048, False, 1, 1), (8192, False, 1, 1)]
+    vocab_variants += [(4096, False, 4, 1), (4096, False, 1, 4), (4096, False, 4, 4)]
+    for dtype in ("float32", "bfloat16"):
+        logits = (torch.randn((32, 15, 49152), device="cuda") * 3).to(getattr(torch, dtype))
+        for k in (32, 256):
+            fn = functools.partial(vocab_topk, logits, k)
+            for values in vocab_variants:
+                settings = dict(zip(names, values, strict=True))
+                with knobs(**settings):
+                    rows.append(_knob_row(fn, stage=f"vocab k={k}", dtype=dtype, **settings))
+    for batch in (1, 32):
+        logits = torch.randn((batch, 15, 49152), device="cuda") * 3
+        for budget in (32, 64, 256):
+            top_lp, top_ids = vocab_topk(logits, budget)
+            fn = functools.partial(beam_tree, top_lp, top_ids, budget)
+            for bitonic, radix in ((False, 1), (False, 4), (True, 1)):  # radix bits act only without bitonic
+                settings = dict(_BITONIC_BEAM=bitonic, _RADIX_BITS_BEAM=radix)
+                with knobs(**settings):
+                    rows.append(_knob_row(fn, stage=f"beam B={budget}", batch=batch, dtype="float32", **settings))
     return rows
 
 
@@ -188,15 +209,18 @@ def main() -> int:
         return 2
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}")
     results: dict[str, Any] = {"exactness": [], "timing": []}
-    print("== exactness: fused vs torch, fresh random logits per trial")
-    for shape in SHAPES[:3] if args.quick else SHAPES:
-        try:
-            counts = check_shape(shape, args.trials)
-        except Exception as exc:
-            traceback.print_exc()
-            counts = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"  {shape}: {counts}")
-        results["exactness"].append({"shape": list(shape), **counts})
+    for radix in (None, 4):  # the module's knobs, then every threshold search at 4 bits a round
+        settings = {} if radix is None else dict.fromkeys(RADIX_KNOBS, radix)
+        print(f"== exactness: fused vs torch, fresh random logits per trial; knobs {settings or 'as set'}")
+        for shape in SHAPES[:3] if args.quick else SHAPES:
+            try:
+                with knobs(**settings):
+                    counts = check_shape(shape, args.trials)
+            except Exception as exc:
+                traceback.print_exc()
+                counts = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  {shape}: {counts}")
+            results["exactness"].append({"shape": list(shape), "radix": radix, **counts})
     print("== timing (microseconds; depth 15, vocab 49152)")
     variants = [(b, B, dt) for dt in ("float32", "bfloat16") for B in (32, 256) for b in (1, 32)]
     for batch, budget, dtype in variants[:2] if args.quick else variants:
@@ -211,7 +235,7 @@ def main() -> int:
         cells = " ".join(f"{row.get(c, 'err')!s:>17}" for c in cols)
         print(f"{row['batch']:>5} {row['budget']:>4} {row['dtype']:>8} {cells}")
     if args.knobs:
-        print("== tuning knobs (batch 32, microseconds, do_bench median)")
+        print("== tuning knobs (microseconds, do_bench median)")
         results["knobs"] = time_knobs()
         for row in results["knobs"]:
             print("  " + " ".join(f"{key}={value}" for key, value in row.items()))

@@ -82,10 +82,44 @@ def _kth_largest(ukey: tl.tensor, k: tl.tensor, TOP_BIT: tl.constexpr) -> tuple[
 
 
 @_jit
-def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.tensor, TOP_BIT: tl.constexpr) -> None:
+def _kth_largest_radix(
+    ukey: tl.tensor, k: tl.tensor, TOP_BIT: tl.constexpr, RADIX_BITS: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
+    """`_kth_largest` deciding RADIX_BITS bits a round: the thresholds t | d << lo for every digit d of bits
+    lo.. are counted in one reduction over an [n, 2**RADIX_BITS] comparison (8 rounds for 32 bits at 4 bits).
+    The top round holds the (TOP_BIT + 1) % RADIX_BITS leftover bits, if any; its larger digits, which would
+    pass bit TOP_BIT (or wrap past bit 31), are masked. Same result: it stops once exactly k keys are >= t, else
+    t ends as the k-th largest key; only where it stops, hence t in the first case, can differ."""
+    d = tl.arange(0, 1 << RADIX_BITS)  # [R] digit
+    t = tl.zeros((), dtype=tl.uint32)
+    count = tl.full((), ukey.shape[0], tl.int32)
+    lo = tl.full((), (TOP_BIT // RADIX_BITS) * RADIX_BITS, tl.int32)  # lowest bit of the round
+    while (lo >= 0) & (count != k):
+        width = tl.minimum(TOP_BIT + 1 - lo, RADIX_BITS)  # bits of this round, 1..RADIX_BITS
+        cand = t | (d.to(tl.uint32) << lo.to(tl.uint32))  # [R]; cand[0] == t
+        c = tl.sum((ukey[:, None] >= cand[None, :]).to(tl.int32), 0)  # [R] count(ukey >= cand), non-increasing
+        ok = ((d >> width) == 0) & (c >= k)  # [R]; digit 0 always qualifies (c[0] == count >= k)
+        t = tl.max(tl.where(ok, cand, 0), 0)  # the largest qualifying digit
+        count = tl.min(tl.where(ok, c, count), 0)  # and its count
+        lo -= RADIX_BITS
+    return t, count
+
+
+@_jit
+def _compact_top(
+    ukey: tl.tensor,
+    packed: tl.tensor,
+    k: tl.tensor,
+    dst_ptr: tl.tensor,
+    TOP_BIT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+) -> None:
     """Store `packed` of the k largest `ukey` (uint32 [n] below 2**(TOP_BIT+1); among equal keys the earliest
-    positions) to dst[0:k], in position order."""
-    t, count = _kth_largest(ukey, k, TOP_BIT)
+    positions) to dst[0:k], in position order. RADIX_BITS: bits a round of the threshold search (1: binary)."""
+    if RADIX_BITS == 1:
+        t, count = _kth_largest(ukey, k, TOP_BIT)
+    else:
+        t, count = _kth_largest_radix(ukey, k, TOP_BIT, RADIX_BITS)
     sel = ukey >= t  # [n]
     if count > k:  # keys equal to t straddle the k-th place: keep the earliest of them
         gt = ukey > t
@@ -97,16 +131,22 @@ def _compact_top(ukey: tl.tensor, packed: tl.tensor, k: tl.tensor, dst_ptr: tl.t
 
 @_jit
 def _top_sorted(
-    ukey: tl.tensor, pos: tl.tensor, k: tl.tensor, scratch_ptr: tl.tensor, K_PAD: tl.constexpr, BITONIC: tl.constexpr
+    ukey: tl.tensor,
+    pos: tl.tensor,
+    k: tl.tensor,
+    scratch_ptr: tl.tensor,
+    K_PAD: tl.constexpr,
+    BITONIC: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ) -> tl.tensor:
     """The k largest of (ukey [n], earlier pos first) as packed keys, sorted descending: int64 [K_PAD], ranks
     past k are padding. BITONIC: one tl.topk over all n; else a threshold search, a compaction through
-    scratch[0:K_PAD] and a sort of k entries."""
+    scratch[0:K_PAD] (RADIX_BITS bits a round) and a sort of k entries."""
     packed = _pack(ukey, pos)  # [n]
     if BITONIC:
         top = tl.topk(packed, K_PAD)
     else:
-        _compact_top(ukey, packed, k, scratch_ptr, 31)
+        _compact_top(ukey, packed, k, scratch_ptr, 31, RADIX_BITS)
         tl.debug_barrier()
         top = _sorted_top(scratch_ptr, k, K_PAD)
     return top
@@ -132,6 +172,7 @@ def vocab_partial_kernel(
     K_PAD: tl.constexpr,
     LOW_BITS: tl.constexpr,
     ACCURATE: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ) -> None:
     """One program per (row, vocab chunk): chunk max and exp-sum, and the chunk's k largest logits."""
     row = tl.program_id(0)
@@ -146,7 +187,8 @@ def vocab_partial_kernel(
     tl.store(part_sum_ptr + out, s)
     ukey = tl.where(inside, _ordered_key(x), 0)  # [CHUNK]; ids past the vocabulary rank last
     # 16-bit logits leave the low 16 (bfloat16) or 13 (float16) bits of ukey constant: search the rest.
-    _compact_top(ukey >> LOW_BITS, _pack(ukey, idx), k, part_key_ptr + out.to(tl.int64) * K_PAD, 31 - LOW_BITS)
+    dst = part_key_ptr + out.to(tl.int64) * K_PAD
+    _compact_top(ukey >> LOW_BITS, _pack(ukey, idx), k, dst, 31 - LOW_BITS, RADIX_BITS)
 
 
 @_jit
@@ -164,6 +206,7 @@ def vocab_merge_kernel(
     K_PAD: tl.constexpr,
     ACCURATE: tl.constexpr,
     BITONIC: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ) -> None:
     """One program per row: logsumexp from the chunk partials, then the top k by (log-prob, -vocab id)."""
     row = tl.program_id(0)
@@ -181,7 +224,7 @@ def vocab_merge_kernel(
     ok = ok & (ids < vocab)
     lp = (_unpack_value(packed) - m) - log_sum  # torch's CUDA log_softmax: (x - max) - log(sum)
     ukey = tl.where(ok, _ordered_key(lp), 0)
-    top = _top_sorted(ukey, ids, k, scratch_ptr + row * K_PAD, K_PAD, BITONIC)  # [K_PAD]
+    top = _top_sorted(ukey, ids, k, scratch_ptr + row * K_PAD, K_PAD, BITONIC, RADIX_BITS)  # [K_PAD]
     r = tl.arange(0, K_PAD)
     tl.store(top_lp_ptr + row * k + r, _unpack_value(top), mask=r < k)
     tl.store(top_ids_ptr + row * k + r, _unpack_pos(top).to(tl.int64), mask=r < k)
@@ -209,6 +252,7 @@ def beam_tree_kernel(
     B_PAD: tl.constexpr,
     N_PAD: tl.constexpr,
     BITONIC: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ) -> None:
     """One program per request: the depth-wise beam, then the global top-`budget` and node numbering."""
     b = tl.program_id(0)
@@ -231,7 +275,7 @@ def beam_tree_kernel(
         prev = tl.load(lvl_lp_ptr + lvl + (d - 1) * B_PAD + pi, mask=pair_ok, other=float("-inf"))
         cand = prev + tl.load(top_lp_ptr + row0 + d * k + pj, mask=pair_ok, other=float("-inf"))  # [M_PAD]
         ukey = tl.where(pair_ok, _ordered_key(cand), 0)
-        top = _top_sorted(ukey, t, budget, keys, B_PAD, BITONIC)  # [B_PAD]
+        top = _top_sorted(ukey, t, budget, keys, B_PAD, BITONIC, RADIX_BITS)  # [B_PAD]
         src = _unpack_pos(top)
         j = tl.load(pair_ptr + M_PAD + src, mask=in_beam, other=0)
         slot = lvl + d * B_PAD + r
@@ -245,7 +289,7 @@ def beam_tree_kernel(
     f_ok = ((f // B_PAD) < DEPTH) & ((f % B_PAD) < budget)
     val = tl.load(lvl_lp_ptr + lvl + f, mask=f_ok, other=float("-inf"))  # [N_PAD]
     ukey = tl.where(f_ok, _ordered_key(val), 0)
-    top = _top_sorted(ukey, f, budget, keys, B_PAD, BITONIC)  # [B_PAD] in node order
+    top = _top_sorted(ukey, f, budget, keys, B_PAD, BITONIC, RADIX_BITS)  # [B_PAD] in node order
     lp = _unpack_value(top)
     src = _unpack_pos(top)
     real = in_beam & (lp > float("-inf"))

@@ -20,9 +20,12 @@ of a depth all beat them), it runs:
    Then the global top `budget` over all levels (same selection), node numbering and parent lookup.
 
 Steps 2 and 3 select as step 1 does, then sort the survivors (`_BITONIC_MERGE` / `_BITONIC_BEAM` switch them to
-one tl.topk over all candidates instead). Every selection orders by (value descending, position ascending),
-positions being the vocab id, the flat candidate index i * k + j of the beam step, and depth-major (depth, slot)
-of the global step; the last one is the reference's stable sort, so a parent precedes an equally probable child.
+one tl.topk over all candidates instead). `_RADIX_BITS_VOCAB` / `_MERGE` / `_BEAM` set the bits each round of a
+threshold search decides: 1, the binary search; 4, a radix search counting 16 thresholds in one reduction, 8
+rounds instead of up to 32 (fewer serial block reductions, more work in each; the same selection). Every
+selection orders by (value descending, position ascending), positions being the vocab id, the flat candidate
+index i * k + j of the beam step, and depth-major (depth, slot) of the global step; the last one is the
+reference's stable sort, so a parent precedes an equally probable child.
 
 Ties. Without ties the tree equals the torch path's exactly (tokens, parents, depths, num_nodes; log_probs
 agree to float32 rounding: the vocab logsumexp is summed in a different order, so its last bit can differ).
@@ -56,6 +59,11 @@ MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
 _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
 _BITONIC_MERGE = False  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort (False)
 _BITONIC_BEAM = False  # beam and global selection: likewise
+# Bits a round of the threshold searches (1: binary search; 4: 16 thresholds counted per reduction, 8 rounds
+# instead of up to 32). 1 until the radix variant is timed on the GPU.
+_RADIX_BITS_VOCAB = 1
+_RADIX_BITS_MERGE = 1
+_RADIX_BITS_BEAM = 1
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 
 
@@ -149,12 +157,12 @@ def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     kern.vocab_partial_kernel[(rows, n_split)](
         logits, part_key, part_max, part_sum, vocab, k, n_split,
         CHUNK=chunk, K_PAD=k_pad, LOW_BITS=_LOW_BITS.get(logits.dtype, 0), ACCURATE=accurate,
-        num_warps=_warps(chunk),
+        RADIX_BITS=_RADIX_BITS_VOCAB, num_warps=_warps(chunk),
     )  # fmt: skip
     kern.vocab_merge_kernel[(rows,)](
         part_key, part_max, part_sum, scratch, top_lp, top_ids, vocab, k, n_split,
         S_PAD=_pow2(n_split), K_PAD=k_pad, ACCURATE=accurate, BITONIC=_BITONIC_MERGE,
-        num_warps=_warps(_pow2(n_split) * k_pad),
+        RADIX_BITS=_RADIX_BITS_MERGE, num_warps=_warps(_pow2(n_split) * k_pad),
     )  # fmt: skip
     return top_lp, top_ids
 
@@ -181,7 +189,7 @@ def beam_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Draft
         top_lp.contiguous(), top_ids.contiguous(), pairs, lvl_lp, lvl_tok, lvl_par, node_of, keys,
         tokens, parents, depths, log_probs, num_nodes, budget, k,
         DEPTH=depth, M_PAD=pairs.shape[1], B_PAD=b_pad, N_PAD=n_pad, BITONIC=_BITONIC_BEAM,
-        num_warps=_warps(max(n_pad, pairs.shape[1])),
+        RADIX_BITS=_RADIX_BITS_BEAM, num_warps=_warps(max(n_pad, pairs.shape[1])),
     )  # fmt: skip
     return DraftTree(tokens=tokens, parents=parents, depths=depths, log_probs=log_probs, num_nodes=num_nodes)
 

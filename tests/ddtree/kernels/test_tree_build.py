@@ -6,21 +6,35 @@ import importlib
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: they run on CPU, in numpy
 pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
 
+import triton
+import triton.language as tl
+
 from ddtree.kernels import tree_build
 from ddtree.kernels.bench import time_tree_build
-from ddtree.kernels.tree_build import build_tree_fused, fused_supported, triton_available, vocab_topk
+from ddtree.kernels.tree_build import beam_tree, build_tree_fused, fused_supported, triton_available, vocab_topk
 from ddtree.tree import DraftTree, build_tree
 
 if not tree_build._interpreting():  # imported earlier without TRITON_INTERPRET: rebuild the kernels
     importlib.reload(sys.modules["ddtree.kernels._tree_build_triton"])
+KERNELS = tree_build._kernels()
 
 FIELDS = ("tokens", "parents", "depths", "num_nodes")
+RADIX_KNOBS = ("_RADIX_BITS_VOCAB", "_RADIX_BITS_MERGE", "_RADIX_BITS_BEAM")
+
+
+@pytest.fixture(params=[1, 4], ids=["radix1", "radix4"])
+def radix_bits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Runs a test with the threshold searches of all three kernels at 1 (binary) and 4 bits a round."""
+    for knob in RADIX_KNOBS:
+        monkeypatch.setattr(tree_build, knob, request.param)
+    return int(request.param)
 
 
 def random_logits(batch: int, depth: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -53,6 +67,44 @@ def test_triton_available_under_the_interpreter() -> None:
     assert triton_available()
 
 
+@triton.jit
+def kth_largest_kernel(
+    key_ptr: tl.tensor,  # [N] int32: the bits of uint32 keys
+    t_ptr: tl.tensor,  # [N] int32 out: the threshold for k = 1 + program id, as bits
+    count_ptr: tl.tensor,  # [N] int32 out: count(key >= threshold)
+    N: tl.constexpr,
+    TOP_BIT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+) -> None:
+    """Program k - 1 runs the threshold search of `_compact_top` for k over all N keys."""
+    ukey = tl.load(key_ptr + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    k = tl.program_id(0) + 1
+    if RADIX_BITS == 1:
+        t, count = KERNELS._kth_largest(ukey, k, TOP_BIT)
+    else:
+        t, count = KERNELS._kth_largest_radix(ukey, k, TOP_BIT, RADIX_BITS)
+    tl.store(t_ptr + k - 1, t.to(tl.int32, bitcast=True))
+    tl.store(count_ptr + k - 1, count)
+
+
+@pytest.mark.parametrize("top_bit", [31, 18, 15])  # float32 keys, float16 (LOW_BITS 13), bfloat16 (16)
+@pytest.mark.parametrize("radix", [1, 3, 4])  # partial top rounds: 3 bits at top bit 31 (wrapping), 18; 4 at 18
+def test_threshold_search_finds_the_kth_largest_key(top_bit: int, radix: int) -> None:
+    """For every k: count = #(key >= t) >= k, and t is the k-th largest key unless count == k exactly (then
+    `key >= t` selects the k largest whatever t is). That pins the count, so every search returns the same."""
+    n, rng = 32, np.random.default_rng(top_bit * 10 + radix)
+    top = 2 ** (top_bit + 1) - 1
+    pool = np.array([0, 1, top, top - 1, 2**top_bit, rng.integers(0, top)], dtype=np.int64)
+    keys = np.concatenate([rng.choice(pool, n // 2), rng.integers(0, top, n // 2, endpoint=True)])  # ties
+    t, count = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    key_bits = torch.from_numpy(keys.astype(np.uint32).view(np.int32))
+    kth_largest_kernel[(n,)](key_bits, t, count, N=n, TOP_BIT=top_bit, RADIX_BITS=radix)
+    t_np, ordered = t.numpy().view(np.uint32).astype(np.int64), np.sort(keys)[::-1]
+    for k in range(1, n + 1):
+        assert count[k - 1] == (keys >= t_np[k - 1]).sum() >= k, k
+        assert count[k - 1] == k or t_np[k - 1] == ordered[k - 1], k
+
+
 @pytest.mark.parametrize(
     ("batch", "depth", "vocab", "budget", "topk"),
     [
@@ -66,12 +118,20 @@ def test_triton_available_under_the_interpreter() -> None:
         (2, 1, 100, 8, None),  # depth 1
     ],
 )
-def test_matches_build_tree(batch: int, depth: int, vocab: int, budget: int, topk: int | None) -> None:
+def test_matches_build_tree(batch: int, depth: int, vocab: int, budget: int, topk: int | None, radix_bits: int) -> None:
     logits = random_logits(batch, depth, vocab, seed=batch * 1000 + vocab + budget)
     assert_same_tree(build_tree_fused(logits, budget, topk), build_tree(logits, budget, topk))
 
 
-def test_many_vocab_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("budget", "topk"), [(2, 1), (3, 3), (7, 2), (33, 5), (64, 16), (64, 64)])
+def test_beam_tree_over_budgets(budget: int, topk: int, radix_bits: int) -> None:
+    """The beam kernel alone, on torch's own top-k lists: budgets up to 64 (M_PAD 512), k below and at the budget."""
+    logits = random_logits(2, 4, 80, seed=budget * 100 + topk)
+    top_lp, top_ids = torch.topk(torch.log_softmax(logits, dim=-1), topk, dim=-1)  # [2, 4, topk]
+    assert_same_tree(beam_tree(top_lp, top_ids, budget), build_tree(logits, budget, topk))
+
+
+def test_many_vocab_chunks(monkeypatch: pytest.MonkeyPatch, radix_bits: int) -> None:
     """Small chunks: the split-K logsumexp and top-k merge over 7 chunks, the last one partial."""
     monkeypatch.setattr(tree_build, "_CHUNK", 64)
     logits = random_logits(2, 3, 400, seed=5)  # 400 = 6 * 64 + 16
@@ -80,7 +140,7 @@ def test_many_vocab_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("vocab", "k"), [(1000, 1), (1000, 37), (200, 128), (64, 64)])
-def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int) -> None:
+def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int, radix_bits: int) -> None:
     logits = random_logits(2, 3, vocab, seed=vocab + k)
     top_lp, top_ids = vocab_topk(logits, k)
     ref_lp, ref_ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
@@ -89,7 +149,7 @@ def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int) -> None:
     torch.testing.assert_close(top_lp, ref_lp, rtol=1e-6, atol=1e-6)
 
 
-def test_low_precision_logits_are_read_as_float32() -> None:
+def test_low_precision_logits_are_read_as_float32(radix_bits: int) -> None:
     """bfloat16 and float16 logits without ties (distinct multiples of 1/8) give torch's top-k and tree."""
     perm = torch.stack([torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(4)])
     logits = (perm.reshape(2, 2, 256).float() / 8 - 16).to(torch.bfloat16)  # [2, 2, 256]
@@ -103,7 +163,7 @@ def test_low_precision_logits_are_read_as_float32() -> None:
         assert_equivalent_tree(build_tree_fused(x, 16), build_tree(x, 16), x)
 
 
-def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree() -> None:
+def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree(radix_bits: int) -> None:
     logits = torch.zeros((2, 3, 40))  # every token ties
     logits[1, :, 7] = 1.0
     _, top_ids = vocab_topk(logits, 5)
@@ -114,7 +174,7 @@ def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree() -> None:
     assert_equivalent_tree(fused, build_tree(logits, 12), logits)
 
 
-def test_minus_inf_logits_make_fewer_nodes() -> None:
+def test_minus_inf_logits_make_fewer_nodes(radix_bits: int) -> None:
     logits = random_logits(2, 3, 20, seed=3)
     logits[0, :, 2:] = float("-inf")  # request 0 has 2 + 4 + 8 finite prefixes
     fused, ref = build_tree_fused(logits, 32), build_tree(logits, 32)
