@@ -5,18 +5,9 @@ Imported lazily, on the first call (the core install may lack triton).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
-import triton
 import triton.language as tl
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _jit(fn: F) -> F:
-    """`triton.jit`, typed for mypy (triton has no stubs)."""
-    return cast(F, triton.jit(fn))
+from ddtree.kernels._jit import jit as _jit
 
 
 @_jit

@@ -5,19 +5,11 @@ Imported lazily, on the first call (the core install may lack triton).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
-import triton
 import triton.language as tl
 
-F = TypeVar("F", bound=Callable[..., Any])
+from ddtree.kernels._jit import jit as _jit
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-def _jit(fn: F) -> F:
-    """`triton.jit`, typed for mypy (triton has no stubs)."""
-    return cast(F, triton.jit(fn))
 
 
 @_jit

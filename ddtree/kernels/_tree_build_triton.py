@@ -8,20 +8,12 @@ packed keys orders by value, then by earlier position. Positions are below 2**31
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-F = TypeVar("F", bound=Callable[..., Any])
+from ddtree.kernels._jit import jit as _jit
+
 INT64_MIN: tl.constexpr = tl.constexpr(-(2**63))
-
-
-def _jit(fn: F) -> F:
-    """`triton.jit`, typed for mypy (triton has no stubs); the result is a Triton JITFunction."""
-    return cast(F, triton.jit(fn))
 
 
 @_jit
