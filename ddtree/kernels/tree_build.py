@@ -60,10 +60,13 @@ _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
 _BITONIC_MERGE = False  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort (False)
 _BITONIC_BEAM = False  # beam and global selection: likewise
 # Bits a round of the threshold searches (1: binary search; 4: 16 thresholds counted per reduction, 8 rounds
-# instead of up to 32). 1 until the radix variant is timed on the GPU.
+# instead of up to 32). Timed on the H200 (`examples/tree_build_device.py --knobs`): 4 bits made the vocab
+# pass 2.7x slower and the merge no faster at k=256, and made the beam 1.7x faster at budget 64 (batch 1) and
+# 2.5x at budget 32 (batch 32) but 1.2x slower at budget 256. None: the beam picks by budget (`_beam_radix`).
 _RADIX_BITS_VOCAB = 1
 _RADIX_BITS_MERGE = 1
-_RADIX_BITS_BEAM = 1
+_RADIX_BITS_BEAM: int | None = None
+_RADIX_BEAM_MAX_BUDGET = 64  # the beam's radix search up to this (padded) budget, the binary one beyond
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 
 
@@ -189,9 +192,16 @@ def beam_tree(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int) -> Draft
         top_lp.contiguous(), top_ids.contiguous(), pairs, lvl_lp, lvl_tok, lvl_par, node_of, keys,
         tokens, parents, depths, log_probs, num_nodes, budget, k,
         DEPTH=depth, M_PAD=pairs.shape[1], B_PAD=b_pad, N_PAD=n_pad, BITONIC=_BITONIC_BEAM,
-        RADIX_BITS=_RADIX_BITS_BEAM, num_warps=_warps(max(n_pad, pairs.shape[1])),
+        RADIX_BITS=_beam_radix(b_pad), num_warps=_warps(max(n_pad, pairs.shape[1])),
     )  # fmt: skip
     return DraftTree(tokens=tokens, parents=parents, depths=depths, log_probs=log_probs, num_nodes=num_nodes)
+
+
+def _beam_radix(b_pad: int) -> int:
+    """Bits a round of the beam's threshold searches for a padded budget."""
+    if _RADIX_BITS_BEAM is not None:
+        return _RADIX_BITS_BEAM
+    return 4 if b_pad <= _RADIX_BEAM_MAX_BUDGET else 1
 
 
 def build_tree_fused(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:

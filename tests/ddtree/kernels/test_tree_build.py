@@ -230,3 +230,10 @@ def test_engine_with_the_fused_tree_kernel_equals_ar(budget: int) -> None:
     plain = Engine(target, drafter).generate(prompts, config)
     assert [o.token_ids for o in fused.outputs] == [o.token_ids for o in ar.outputs]
     assert [o.acceptance_lengths for o in fused.outputs] == [o.acceptance_lengths for o in plain.outputs]
+
+
+def test_beam_radix_picks_by_budget_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tree_build, "_RADIX_BITS_BEAM", None)
+    assert [tree_build._beam_radix(b) for b in (32, 64, 128, 256)] == [4, 4, 1, 1]
+    monkeypatch.setattr(tree_build, "_RADIX_BITS_BEAM", 1)
+    assert tree_build._beam_radix(32) == 1
