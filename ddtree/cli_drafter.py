@@ -49,6 +49,13 @@ def add_parsers(sub: Any) -> None:
     data.add_argument(
         "--write-prompts", action="store_true", help="write the prompts to --out (as --prompts reads them) and stop"
     )
+    data.add_argument(
+        "--exclude-prompts",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="prompt files (as --prompts reads them) whose first turns the built-in prompts must not repeat",
+    )
     data.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
     data.add_argument("--batch-size", type=int, default=64)
     data.add_argument("--seed", type=int, default=0)
@@ -205,7 +212,8 @@ def _data(args: argparse.Namespace) -> int:
         if not conversations:
             raise UserError(f"no prompts in {args.prompts!r}")
     else:
-        texts = training_prompts(args.num_prompts, seed=args.seed, exclude=set(heldout_prompts()))
+        used = {conversation[0] for path in args.exclude_prompts for conversation in read_prompt_file(path)}
+        texts = training_prompts(args.num_prompts, seed=args.seed, exclude=used | set(heldout_prompts()))
         conversations = [[text] for text in texts]
     conversations = add_follow_ups(conversations, args.multi_turn, seed=args.seed)
     if args.write_prompts:

@@ -164,3 +164,14 @@ def test_drafter_data_writes_the_prompts_it_would_use(tmp_path: Path) -> None:
     assert main(["drafter", "data", "--write-prompts", "--prompts", str(out), "--out", str(again)]) == 0
     assert again.read_text() == out.read_text()
     assert main([*argv[:-4], "--multi-turn", "2", "--out", str(out)]) == 2
+
+
+def test_drafter_data_can_leave_out_the_prompts_of_earlier_files(tmp_path: Path) -> None:
+    first, fresh = tmp_path / "first.jsonl", tmp_path / "fresh.jsonl"
+    argv = ["drafter", "data", "--write-prompts", "--num-prompts", "300"]
+    assert main([*argv, "--multi-turn", "0.5", "--out", str(first)]) == 0
+    assert main([*argv, "--exclude-prompts", str(first), "--out", str(fresh)]) == 0
+    used = {turns[0] for turns in read_prompt_file(first)}
+    new = [turns[0] for turns in read_prompt_file(fresh)]
+    assert len(new) == 300 and not used & set(new)
+    assert main([*argv, "--exclude-prompts", str(tmp_path / "absent.jsonl"), "--out", str(fresh)]) == 2
