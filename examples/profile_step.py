@@ -1,5 +1,6 @@
 """Where a graphed decode step spends its time, on a CUDA GPU: wall time per step, GPU kernels per step and
-their total time (torch profiler), and time per stage (per-stage graphs with CUDA events between them).
+their total time (torch profiler), and time per stage (the GPU clock stamps of the observed step's graph, or,
+without Triton, per-stage graphs with CUDA events between them).
 
     python examples/profile_step.py TARGET_DIR [OUT_DIR] [BATCH] [TREE_KERNEL]
 
@@ -23,11 +24,13 @@ from ddtree.kernels.tree_build import triton_available
 from ddtree.models.default import default_drafter
 from ddtree.runtime import load_pair
 from ddtree.train.data import chat_ids
-from telemetry.hooks import NoopObserver
+from telemetry.hooks import NoopObserver, StepProbe
+from telemetry.semconv import STAGES
 
 
 class StageEvents(NoopObserver):
-    """CUDA events at stage boundaries; read after a synchronize at the end."""
+    """CUDA events at stage boundaries (read after a synchronize at the end), or the device's stamps of a step
+    replayed from a stamped graph, which gets no stage hooks."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, Any, Any]] = []
@@ -44,11 +47,17 @@ class StageEvents(NoopObserver):
         event.record()
         self.marks.append((stage, self.open[1], event))
 
+    def on_probe(self, step: int, probe: StepProbe) -> None:
+        stamps = probe.stamps_ns
+        if stamps is not None:  # GPU clock ns at the step's start and after each stage
+            self.marks.extend((stage, stamps[i], stamps[i + 1]) for i, stage in enumerate(STAGES))
+
     def means(self) -> dict[str, float]:
         torch.cuda.synchronize()
         sums: dict[str, list[float]] = {}
         for stage, start, end in self.marks:
-            sums.setdefault(stage, []).append(start.elapsed_time(end))
+            ms = (end - start) / 1e6 if isinstance(start, int) else start.elapsed_time(end)
+            sums.setdefault(stage, []).append(ms)
         return {s: sum(v) / len(v) for s, v in sums.items()}
 
 

@@ -10,6 +10,14 @@ Where the host time goes: records are resolved and handed to the sinks eight at 
 stage has been launched, so on a GPU that is busy verifying that work overlaps the verify forward instead
 of adding to the idle time between steps. Consecutive stages share their boundary mark (5 marks a step),
 and events and pinned buffers are reused.
+
+A decode session (`on_session`) reads back a probe with each step's tokens (`on_probe`): the tree's arrays
+come with it, so `on_tree` copies nothing. In a stamped session a step replayed from a graph brings its stage
+times too, as GPU clock stamps: it gets no stage hooks, records no event, and is ready as soon as it ends
+(its data is on the host). Its times are the host wall time taken at `on_step_start` plus the stamps'
+offsets from the first one. `on_step_start` cannot tell such a step from the eager first step of a shape,
+which does get stage hooks, so in a stamped session a step's first mark is taken at its first stage hook.
+Stamped records are resolved and handed on `STAMPED_DRAIN_EVERY` at a time, at a step start.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from telemetry import semconv as sc
-from telemetry.hooks import GenerateInfo, RequestResult
+from telemetry.hooks import GenerateInfo, RequestResult, StepProbe
 from telemetry.stats import StatsSink, StepStats, call_sinks
 from telemetry.timing import StageClock, clock_for
 
@@ -39,6 +47,7 @@ class _Pending:
     stages: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> mark indices
     depths: torch.Tensor | None = None  # [batch, nodes] host copy of the tree's depths, filled asynchronously
     tree: dict[str, torch.Tensor] = field(default_factory=dict)  # tokens, parents (log_probs): host copies too
+    probe: StepProbe | None = None  # the tree's arrays (and stamps) read back with the step's tokens
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     slot_ids: list[str | None] = field(default_factory=list)  # each slot's request when the step started
@@ -46,6 +55,7 @@ class _Pending:
 
 DRAIN_EVERY = 8  # records are resolved in groups: the same code run eight times in a row, with warm caches
 MAX_PENDING = 16  # records left unresolved before a step start resolves them (when no verify stage ran)
+STAMPED_DRAIN_EVERY = 32  # in a stamped session: records left before a step start resolves them
 
 
 class Collector:
@@ -66,6 +76,14 @@ class Collector:
         self.boundary: int | None = None  # index of the mark the next stage starts at, if one is due
         self.host_buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self.tree_buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # (shape, dtype) -> free host buffers
+        self.probed = False  # steps bring their tree in `on_probe` (set by `on_session`)
+        self.stamped = False  # steps replayed from a graph bring device stamps and get no stage hooks
+        self.drain_at = MAX_PENDING  # records pending when a step start resolves them
+
+    def on_session(self, stamped: bool) -> None:
+        """Probes from now on; with `stamped`, marks are taken lazily (see the module docstring)."""
+        self.probed, self.stamped = True, stamped
+        self.drain_at = STAMPED_DRAIN_EVERY if stamped else MAX_PENDING
 
     def on_generate_start(self, info: GenerateInfo) -> None:
         self.info = info
@@ -83,18 +101,21 @@ class Collector:
         self.slot_ids = list(request_ids)
 
     def on_step_start(self, step: int, batch_size: int) -> None:
-        if len(self.pending) >= MAX_PENDING:
+        if len(self.pending) >= self.drain_at:
             self._drain()
-        self.clock.begin_step()
-        self.current = _Pending(
-            step=step, wall_ns=time.time_ns(), marks=[self.clock.mark()], slot_ids=self._slots(batch_size)
-        )
+        self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[], slot_ids=self._slots(batch_size))
         self.started[step] = self.current
-        self.boundary = 0
+        self.boundary = None  # stamped: no mark unless a stage hook comes (the step runs eagerly)
+        if not self.stamped:
+            self.clock.begin_step()
+            self.current.marks.append(self.clock.mark())
+            self.boundary = 0
 
     def on_stage_start(self, stage: str) -> None:
         assert self.current is not None
         if self.boundary is None:
+            if not self.current.marks:  # a stamped session's eager step: its first mark
+                self.clock.begin_step()
             self.current.marks.append(self.clock.mark())
             self.boundary = len(self.current.marks) - 1
         self.open_stage = (stage, self.boundary)
@@ -113,8 +134,10 @@ class Collector:
         """Non-blocking copies and nothing else on the device: the root and padding have depth 0, so the host
         counts the draft nodes per depth from the depths alone. The tokens and parents let the exporter find
         each accepted path's node indices from the request's output tokens (for the budget replay); the
-        log-probabilities are copied only when tree detail is on."""
+        log-probabilities are copied only when tree detail is on. Nothing in a session: the probe brings them."""
         assert self.current is not None
+        if self.probed:
+            return
         free = self.host_buffers.setdefault(tuple(tree.depths.shape), [])
         host = free.pop() if free else torch.empty(tree.depths.shape, dtype=tree.depths.dtype, pin_memory=self.pinned)
         host.copy_(tree.depths, non_blocking=True)
@@ -137,6 +160,10 @@ class Collector:
             self.tree_buffers[(tuple(host.shape), host.dtype)].append(host)
         record.tree = {}
 
+    def on_probe(self, step: int, probe: StepProbe) -> None:
+        """Host arrays already: kept as they are, read when the record is resolved."""
+        self.started[step].probe = probe
+
     def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
         self.started[step].accepted = accepted
 
@@ -144,7 +171,7 @@ class Collector:
         record = self.started.pop(step)
         record.emitted = emitted
         if record is self.current:
-            if self.boundary is None:  # the last stage is still open: the step ends now
+            if self.boundary is None and record.marks:  # the last stage is still open: the step ends now
                 record.marks.append(self.clock.mark())
             self.current = None
             self.boundary = None
@@ -173,10 +200,14 @@ class Collector:
         ids = self.slot_ids[:batch_size]
         return ids + [None] * (batch_size - len(ids))
 
+    def _ready(self, record: _Pending) -> bool:
+        """Whether the record's marks can be read; a stamped record has none and is ready at once."""
+        return not record.marks or self.clock.ready(record.marks)
+
     def _drain(self, wait: bool = False) -> None:
-        while self.pending and (wait or self.clock.ready(self.pending[0].marks)):
+        while self.pending and (wait or self._ready(self.pending[0])):
             record = self.pending.popleft()
-            if wait and not self.clock.ready(record.marks):
+            if wait and not self._ready(record):
                 record.marks[-1].synchronize()
             stats = self._resolve(record)
             self.clock.release(record.marks)
@@ -184,27 +215,51 @@ class Collector:
             call_sinks(self.sinks, "step", stats)
 
     def _resolve(self, record: _Pending) -> StepStats:
-        """Only what needs this process: event times and the host copy's rows. The counts derived from the
+        """Only what needs this process: event times or stamps, and the tree's rows. The counts derived from the
         depths are computed by whoever reads them first (`StepStats`), normally the exporter process."""
         assert self.info is not None
-        wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
+        start_ns, end_ns, stage_ns = self._times(record)
         active = [e > 0 for e in record.emitted]
-        tree = {name: host.numpy()[active] for name, host in record.tree.items()}  # copies: buffers are reused
+        tree = self._tree(record, active)
         return StepStats(
             step=record.step,
             info=self.info,
             active=active,
-            depths=None if record.depths is None else record.depths.numpy()[active],  # a copy: the buffer is reused
+            depths=tree.get("depths"),
             accepted=[n for n, a in zip(record.accepted, active, strict=True) if a],
             emitted=[e for e in record.emitted if e > 0],
-            stage_ns={s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()},
-            start_ns=wall[0],
-            end_ns=wall[-1],
+            stage_ns=stage_ns,
+            start_ns=start_ns,
+            end_ns=end_ns,
             slot_ids=record.slot_ids,
             tokens=tree.get("tokens"),
             parents=tree.get("parents"),
             log_probs=tree.get("log_probs"),
         )
+
+    def _times(self, record: _Pending) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """The step's start and end and each stage's (start, end), wall-clock ns: from the device stamps (as
+        offsets from the first one, after the step's host wall time), else from the marks."""
+        stamps = record.probe.stamps_ns if record.probe is not None else None
+        if stamps is not None:
+            wall = [record.wall_ns + (t - stamps[0]) for t in stamps]
+            stages = zip(sc.STAGES, wall, wall[1:], strict=False)  # len(STAGES) + 1 stamps
+            return wall[0], wall[-1], {stage: (start, end) for stage, start, end in stages}
+        if not record.marks:  # neither: a step that ran no stage
+            return record.wall_ns, record.wall_ns, {}
+        wall = self.clock.to_wall_ns(record.marks, record.wall_ns)
+        return wall[0], wall[-1], {s: (wall[i], wall[j]) for s, (i, j) in record.stages.items()}
+
+    def _tree(self, record: _Pending, active: list[bool]) -> dict[str, Any]:
+        """The active rows of the tree's arrays (copies, or views of the probe's own arrays), by field name."""
+        if record.probe is not None:
+            probe, rows = record.probe, slice(None) if all(active) else active
+            fields = ("depths", *self.tree_fields)
+            return {name: getattr(probe, name)[rows] for name in fields}
+        tree = {name: host.numpy()[active] for name, host in record.tree.items()}  # copies: buffers are reused
+        if record.depths is not None:
+            tree["depths"] = record.depths.numpy()[active]  # a copy: the buffer is reused
+        return tree
 
 
 def _only(info: GenerateInfo, request_ids: list[str]) -> GenerateInfo:

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from ddtree.tree import DraftTree
     from ddtree.verify import AcceptResult
 
@@ -39,7 +42,29 @@ class RequestResult:
     finish_reason: str  # "stop" (end of sequence) or "length"
 
 
+@dataclass(frozen=True)
+class StepProbe:
+    """What telemetry needs of a step's device state, read back by the loop with the step's tokens: host arrays
+    (the observer's own), one row per row of the step."""
+
+    depths: npt.NDArray[np.int64]  # [rows, nodes]: each tree slot's depth, 0 = root or padding
+    tokens: npt.NDArray[np.int64]  # [rows, nodes]: draft tokens, -1 = root or padding
+    parents: npt.NDArray[np.int64]  # [rows, nodes]: parent node, -1 = root or padding
+    log_probs: npt.NDArray[np.float32]  # [rows, nodes]: the drafter's log-probabilities, -inf = padding
+    stamps_ns: list[int] | None  # GPU clock at the step's start, then at the end of each stage in
+    # `semconv.STAGES` order; None: the step was not stamped (its stage hooks ran)
+
+
 class StepObserver(Protocol):
+    def on_session(self, stamped: bool) -> None:
+        """A decode session takes this observer (before its first step). From then on each of its steps reads
+        back a probe with its tokens (`on_probe`), so the tree's arrays need no copies in `on_tree`. With
+        `stamped`, a step replayed from a CUDA graph times its stages on the device: it gets `on_step_start`
+        and no stage hooks or `on_tree` (its probe has `stamps_ns`), while the first step of each step shape
+        runs eagerly with the stage hooks, so which kind a step is shows only at its first stage hook.
+        Loops that never call this (SGLang's worker) send every step's stage hooks and `on_tree` and no
+        `on_probe`."""
+
     def on_generate_start(self, info: GenerateInfo) -> None:
         """A batch of requests begins (before prefill)."""
 
@@ -55,6 +80,11 @@ class StepObserver(Protocol):
 
     def on_tree(self, tree: DraftTree) -> None:
         """The tree this step verifies, inside the tree_build stage (device tensors: read them without a sync)."""
+
+    def on_probe(self, step: int, probe: StepProbe) -> None:
+        """Step `step`'s probe reached the host with its tokens, before its `on_accept` (only in a session that
+        called `on_session`). `probe.stamps_ns` are in the GPU's clock (`%globaltimer`), not the host's: only
+        their differences mean something (stage i took `stamps_ns[i + 1] - stamps_ns[i]` ns)."""
 
     def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:
         """Step `step`'s tokens reached the host; `accepted` is the per-request count of accepted drafts.
@@ -73,6 +103,9 @@ class StepObserver(Protocol):
 class NoopObserver:
     """Observes nothing. Every hook is an empty method."""
 
+    def on_session(self, stamped: bool) -> None:
+        pass
+
     def on_generate_start(self, info: GenerateInfo) -> None:
         pass
 
@@ -86,6 +119,9 @@ class NoopObserver:
         pass
 
     def on_tree(self, tree: DraftTree) -> None:
+        pass
+
+    def on_probe(self, step: int, probe: StepProbe) -> None:
         pass
 
     def on_accept(self, step: int, result: AcceptResult, accepted: list[int]) -> None:

@@ -1,13 +1,17 @@
 """Run a decode step's stages eagerly or as CUDA graph replays.
 
-A step is a list of stages, each a function that reads and writes a dict of tensors (the "bag"). All state
-that lives across steps sits in the session's own preallocated tensors, which the stages update in place,
-so a graph captured once per step shape replays any later step of that shape.
+A step is a list of stages, each a function that reads and writes a dict of tensors (the "bag"), then a
+`finish` that assembles what the host reads back. All state that lives across steps sits in the session's own
+preallocated tensors, which the stages update in place, so a graph captured once per step shape replays any
+later step of that shape.
 
-The first step of a shape runs eagerly: it is a real step and the warm-up that capture needs. The graphs
-are captured right after it (capture records kernels without running them, so the state stays as the
-eager step left it) and replayed from the next step on. Unobserved steps are one graph; observed steps
-are one graph per stage, so that the observer's stage marks fall between replays.
+The first step of a shape runs eagerly, between the observer's stage hooks: it is a real step and the warm-up
+that capture needs. The graphs are captured right after it (capture records kernels without running them, so
+the state stays as the eager step left it) and replayed from the next step on. An unobserved step is one
+graph. An observed step is one graph too when it is `stamped`: the graph writes the GPU clock into the bag's
+`stamps` ([stages + 1] int64) before the first stage and after each one (`ddtree.kernels.clock`), `finish`
+reads them after the last, and a replay calls no stage hooks. Without stamps (no Triton) an observed step is
+one graph per stage, so that the observer's host-side stage marks fall between replays.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ddtree.kernels.clock import stamp
 from telemetry import semconv
 from telemetry.hooks import NOOP, StepObserver
 
@@ -33,13 +38,23 @@ class _Captured:
 
 
 class StepRunner:
-    """Runs `stages` (name, function) for a step shape `key`, with the observer's stage hooks around them."""
+    """Runs `stages` (name, function) and then `finish` for a step shape `key`, with the observer's stage hooks
+    around the stages (`finish` counts as part of the last stage) unless the step replays a stamped graph."""
 
-    def __init__(self, stages: list[tuple[str, Stage]], observer: StepObserver, cuda_graphs: bool) -> None:
+    def __init__(
+        self,
+        stages: list[tuple[str, Stage]],
+        observer: StepObserver,
+        cuda_graphs: bool,
+        finish: Stage,
+        stamped: bool = False,
+    ) -> None:
         self.stages = stages
         self.observer = observer
         self.cuda_graphs = cuda_graphs
-        self.per_stage = observer is not NOOP
+        self.finish = finish
+        self.stamped = stamped and cuda_graphs  # graphs time their stages on the device
+        self.per_stage = observer is not NOOP and not self.stamped
         self.captured: dict[tuple[Any, ...], _Captured] = {}
 
     def run(self, key: tuple[Any, ...], constants: Bag) -> Bag:
@@ -56,7 +71,8 @@ class StepRunner:
         return self._observed(entry.bag, [_replay(graph) for graph in entry.graphs])
 
     def _eager(self, bag: Bag) -> Bag:
-        return self._observed(bag, [stage for _, stage in self.stages])
+        runs = [stage for _, stage in self.stages]
+        return self._observed(bag, [*runs[:-1], _then(runs[-1], self.finish)])
 
     def _observed(self, bag: Bag, runs: list[Stage]) -> Bag:
         """Run each stage (`runs[i]` does stage i's work on `bag`) between the observer's stage hooks."""
@@ -69,12 +85,27 @@ class StepRunner:
             obs.on_stage_end(name)
         return bag
 
+    def _groups(self) -> list[list[Stage]]:
+        """What each graph runs: a stage each, or the whole step (with its stamps when stamped)."""
+        runs = [stage for _, stage in self.stages]
+        if self.per_stage:
+            return [[run] for run in runs[:-1]] + [[runs[-1], self.finish]]
+        if not self.stamped:
+            return [[*runs, self.finish]]
+        timed = [_stamper(0)]  # the step's start, then each stage's end
+        for i, run in enumerate(runs):
+            timed += [run, _stamper(i + 1)]
+        return [[*timed, self.finish]]
+
     def _capture(self, bag: Bag) -> _Captured:
+        if self.stamped:  # a static buffer of the graph; the stamp kernel is compiled before capture
+            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device="cuda")  # [stages + 1]
+            for i in range(len(self.stages) + 1):
+                stamp(bag["stamps"], i)
         torch.cuda.synchronize()  # the warm-up step has finished before capture starts
         pool = torch.cuda.graph_pool_handle()
-        groups = [[s] for _, s in self.stages] if self.per_stage else [[s for _, s in self.stages]]
         graphs = []
-        for group in groups:
+        for group in self._groups():
             graph = torch.cuda.CUDAGraph()
             with warnings.catch_warnings():  # a stage with no device work (ar's draft) makes an empty graph
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
@@ -90,6 +121,25 @@ def _replay(graph: Any) -> Stage:
 
     def run(_: Bag) -> None:
         graph.replay()
+
+    return run
+
+
+def _then(first: Stage, second: Stage) -> Stage:
+    """`first`, then `second`, as one stage."""
+
+    def run(bag: Bag) -> None:
+        first(bag)
+        second(bag)
+
+    return run
+
+
+def _stamper(index: int) -> Stage:
+    """A stage that writes the GPU clock into `bag["stamps"][index]`."""
+
+    def run(bag: Bag) -> None:
+        stamp(bag["stamps"], index)
 
     return run
 

@@ -8,7 +8,9 @@ captured once replays every later step of its shape. Slots are
 independent: a request's tokens depend only on its prompt, its settings and its seed.
 
 A step: draft -> tree_build -> verify -> accept (see `ddtree.engine.graphs` for how they run). It makes one
-device-to-host transfer, the accepted tokens, which the caller needs anyway.
+device-to-host transfer, the accepted tokens, which the caller needs anyway. With an observer, what telemetry
+needs of the device (the tree, and on a graphed GPU the stages' device clock stamps) rides along in the same
+rows (`ddtree.engine.probe`) and reaches the observer as `on_probe`; without one the rows are the tokens alone.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any
 import torch
 
 from ddtree.engine.graphs import Bag, GraphCache, Stage, StepRunner
+from ddtree.engine.probe import ProbeLayout, readout, split_rows
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device, to_host
+from ddtree.kernels.clock import stamps_available
 from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.kv_cache import KVCache
 from ddtree.methods import get_method
@@ -64,6 +68,7 @@ class _Launch:
     entries: list[_Slot | None]  # the slots' occupants when it was launched
     bag: Bag
     ticket: Any  # from `Readback.start`
+    layout: ProbeLayout | None  # where the probe sits in the rows read back; None: no probe
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,10 @@ class DecodeSession:
         self.slots: list[_Slot | None] = [None] * slots
         self.steps = 0
         self._prefills = GraphCache(cuda_graphs)
+        # Fixed for the session's life (graphs are captured with it, `warm_up` included): with an observer every
+        # step reads back a probe, stamped by the device when its graph is one that can stamp.
+        self.probed = observer is not NOOP
+        stamped = self.probed and cuda_graphs and stamps_available(device)
         self.runner = StepRunner(
             [
                 (semconv.STAGE_DRAFT, self._draft),
@@ -147,11 +156,15 @@ class DecodeSession:
             ],
             observer,
             cuda_graphs,
+            finish=self._readout,
+            stamped=stamped,
         )
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
         self._views: dict[int, _Rows] = {}
+        if self.probed:
+            observer.on_session(stamped)
 
     @property
     def num_slots(self) -> int:
@@ -341,15 +354,24 @@ class DecodeSession:
         rows = self._rows(_row_bucket(self.slots, self.num_slots))
         self.observer.on_step_start(self.steps, rows.n)
         bag = self.runner.run((rows.n, span, sampled), {"span": span, "sampled": sampled, "rows": rows})
-        self._inflight.append(_Launch(self.steps, list(self.slots), bag, self._readback.start(bag["out"])))
+        ticket = self._readback.start(bag["out"])
+        self._inflight.append(_Launch(self.steps, list(self.slots), bag, ticket, bag["layout"]))
         self.steps += 1
 
     def _finish(self, launch: _Launch) -> list[int]:
-        host = self._readback.wait(launch.ticket)  # rows: [accepted, path tokens..., bonus]
+        host = self._read(launch)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.bag["result"], [row[0] for row in host])
         emitted = self._commit(host, launch.entries)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
+
+    def _read(self, launch: _Launch) -> list[list[int]]:
+        """The step's token rows, after an explicit wait; a probe read back with them goes to the observer."""
+        if launch.layout is None:
+            return self._readback.wait(launch.ticket)
+        rows, probe = split_rows(self._readback.wait_array(launch.ticket), launch.layout)
+        self.observer.on_probe(launch.step, probe)
+        return rows
 
     def _rows(self, n: int) -> _Rows:
         """Views of the first `n` slots (made once per `n`: graphs captured on them replay on them)."""
@@ -405,7 +427,10 @@ class DecodeSession:
         r.root.copy_(result.bonus)
         r.draw.add_(1)
         bag["result"] = result
-        bag["out"] = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)
+
+    def _readout(self, bag: Bag) -> None:
+        """What the host reads back (after the last stage and its stamp): the tokens, and the probe if observed."""
+        bag["out"], bag["layout"] = readout(bag["result"], bag["tree"] if self.probed else None, bag.get("stamps"))
 
     def _commit(self, host: list[list[int]], launched_with: list[_Slot | None]) -> list[int]:
         """Give each slot that decoded in this step and still does its accepted drafts and bonus; return how

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from telemetry.hooks import GenerateInfo, RequestResult, StepObserver
+from telemetry.hooks import GenerateInfo, RequestResult, StepObserver, StepProbe
 
 # Tensor methods that read a tagged tensor's data into host memory without any dispatch on CPU.
 HOST_READS = frozenset({"numpy", "tolist", "cpu", "item", "__array__", "__dlpack__", "__repr__", "__format__"})
@@ -209,6 +209,10 @@ class GuardedObserver:
         self.inner = inner
         self.guard = guard
 
+    def on_session(self, stamped: bool) -> None:
+        with self.guard.watch("on_session"):
+            self.inner.on_session(stamped)
+
     def on_generate_start(self, info: GenerateInfo) -> None:
         with self.guard.watch("on_generate_start"):
             self.inner.on_generate_start(info)
@@ -228,6 +232,10 @@ class GuardedObserver:
     def on_tree(self, tree: Any) -> None:
         with self.guard.watch("on_tree"):
             self.inner.on_tree(self.guard.tag(tree))
+
+    def on_probe(self, step: int, probe: StepProbe) -> None:
+        with self.guard.watch("on_probe"):  # host arrays the loop read back: nothing to tag
+            self.inner.on_probe(step, probe)
 
     def on_accept(self, step: int, result: Any, accepted: list[int]) -> None:
         with self.guard.watch("on_accept"):

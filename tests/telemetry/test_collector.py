@@ -238,3 +238,113 @@ def test_assign_slots_names_each_rows_request_for_the_next_step() -> None:
     collector.on_step_end(0, [3, 1])
     collector._drain(wait=True)
     assert sink.steps[0].request_ids == ["c", "a"] and sink.steps[0].accepted == [2, 0]
+
+
+def _probe(rows: int, stamps: list[int] | None) -> Any:
+    """A probe of `rows` rows of 4 tree slots: row r's depths [0, 1, 2, 0], tokens [-1, r, r + 5, -1]..."""
+    import numpy as np
+
+    from telemetry.hooks import StepProbe
+
+    depths = np.tile(np.array([0, 1, 2, 0], dtype=np.int64), (rows, 1))  # [rows, 4]
+    tokens = np.array([[-1, r, r + 5, -1] for r in range(rows)], dtype=np.int64)  # [rows, 4]
+    parents = np.tile(np.array([-1, 0, 1, -1], dtype=np.int64), (rows, 1))  # [rows, 4]
+    log_probs = np.tile(np.array([0.0, -0.5, -1.0, -np.inf], dtype=np.float32), (rows, 1))  # [rows, 4]
+    return StepProbe(depths, tokens, parents, log_probs, stamps)
+
+
+def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:
+    from telemetry.collector import Collector
+    from telemetry.hooks import GenerateInfo
+    from telemetry.stats import StepStats
+
+    class Steps:
+        def __init__(self) -> None:
+            self.steps: list[StepStats] = []
+
+        def start_requests(self, info: GenerateInfo) -> None:
+            pass
+
+        def step(self, stats: StepStats) -> None:
+            self.steps.append(stats)
+
+        def end_requests(self, info: GenerateInfo, results: list[Any]) -> None:
+            pass
+
+    sink = Steps()
+    collector = Collector([sink], tree_detail=tree_detail)
+    collector.on_session(stamped=True)
+    collector.on_generate_start(GenerateInfo("ddtree", 3, None, 0.0, 8, 0, ["a", "b"], [[1], [2]]))
+    return collector, sink
+
+
+def test_a_stamped_step_takes_its_times_and_tree_from_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage i runs from stamp i to stamp i + 1, placed after the host wall time of the step's start; the
+    tree's rows are the probe's, for the rows that decoded; no mark is taken and nothing is copied."""
+    import numpy as np
+
+    collector, sink = _stamped_collector(tree_detail=True)
+    marks: list[int] = []
+    monkeypatch.setattr(collector.clock, "mark", lambda: marks.append(1))
+    monkeypatch.setattr("telemetry.collector.time.time_ns", lambda: 1_000_000)
+    collector.on_step_start(7, 2)
+    stamps = [5_000, 5_300, 5_350, 6_350, 6_400]  # GPU clock ns: draft 300, tree 50, verify 1000, accept 50
+    collector.on_probe(7, _probe(2, stamps))
+    collector.on_accept(7, None, [1, 0])
+    collector.on_step_end(7, [2, 0])  # row 1 did not decode
+    assert marks == [], "a stamped step records no event"
+    collector._drain()  # ready at once: no wait
+    (stats,) = sink.steps
+    assert stats.start_ns == 1_000_000 and stats.end_ns == 1_001_400
+    assert stats.stage_ns == {
+        sc.STAGE_DRAFT: (1_000_000, 1_000_300),
+        sc.STAGE_TREE_BUILD: (1_000_300, 1_000_350),
+        sc.STAGE_VERIFY: (1_000_350, 1_001_350),
+        sc.STAGE_ACCEPT: (1_001_350, 1_001_400),
+    }
+    assert stats.active == [True, False] and stats.accepted == [1] and stats.emitted == [2]
+    assert stats.depths is not None and stats.depths.tolist() == [[0, 1, 2, 0]]
+    assert stats.tokens is not None and stats.tokens.tolist() == [[-1, 0, 5, -1]]
+    assert stats.parents is not None and stats.parents.tolist() == [[-1, 0, 1, -1]]
+    assert stats.log_probs is not None and np.array_equal(stats.log_probs, [[0.0, -0.5, -1.0, -np.inf]])
+    assert stats.tree_nodes == [2] and stats.nodes_per_depth == [0, 1, 1, 0]
+
+
+def test_a_stamped_sessions_eager_step_is_timed_by_its_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step of a shape runs eagerly, with stage hooks: its marks start at its first stage hook, and
+    its tree still comes from its probe (`on_tree` copies nothing in a session)."""
+    collector, sink = _stamped_collector()
+    ticks = iter(range(100, 10_000, 100))
+    monkeypatch.setattr(collector.clock, "mark", lambda: next(ticks))
+    collector.on_step_start(0, 2)
+    assert collector.current.marks == []
+    for stage in sc.STAGES:
+        collector.on_stage_start(stage)
+        if stage == sc.STAGE_TREE_BUILD:
+            collector.on_tree(object())  # a session's probe brings the tree: this must not touch it
+        collector.on_stage_end(stage)
+    collector.on_probe(0, _probe(2, None))
+    collector.on_accept(0, None, [1, 1])
+    collector.on_step_end(0, [2, 2])
+    collector._drain()
+    (stats,) = sink.steps
+    assert stats.end_ns - stats.start_ns == 400, "five marks, 100 ns apart"
+    assert [end - start for start, end in stats.stage_ns.values()] == [100] * 4
+    assert stats.depths is not None and stats.depths.tolist() == [[0, 1, 2, 0]] * 2
+    assert stats.log_probs is None, "tree detail is off"
+
+
+def test_stamped_records_reach_the_sinks_in_groups_of_32() -> None:
+    from telemetry.collector import STAMPED_DRAIN_EVERY
+
+    collector, sink = _stamped_collector()
+    seen = []
+    for step in range(2 * STAMPED_DRAIN_EVERY + 3):
+        collector.on_step_start(step, 1)
+        collector.on_probe(step, _probe(1, [0, 1, 2, 3, 4]))
+        collector.on_accept(step, None, [1])
+        collector.on_step_end(step, [2])
+        seen.append(len(sink.steps))
+    assert sorted(set(seen)) == [0, STAMPED_DRAIN_EVERY, 2 * STAMPED_DRAIN_EVERY]
+    collector.on_generate_end([])
+    assert [s.step for s in sink.steps] == list(range(2 * STAMPED_DRAIN_EVERY + 3))

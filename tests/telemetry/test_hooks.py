@@ -24,6 +24,12 @@ class Recorder:
     def on_tree(self, tree: Any) -> None:
         self.calls.append(("tree", int(tree.width)))
 
+    def on_session(self, stamped: bool) -> None:
+        self.calls.append(("session", stamped))
+
+    def on_probe(self, step: int, probe: Any) -> None:
+        self.calls.append(("probe", probe.depths.shape))
+
     def on_accept(self, step: int, result: Any, accepted: list[int]) -> None:
         self.calls.append(("accept", accepted))
 
@@ -50,8 +56,14 @@ def test_every_step_passes_the_four_stages_in_order() -> None:
     first = out.outputs[0].acceptance_lengths
     assert [a[0] for a in accepted][: len(first)] == [a - 1 for a in first]
     assert ("tree", 9) in rec.calls
-    # Each request is announced as it joins its slot and reported as it leaves.
-    assert [c[0] for c in rec.calls[:2]] == ["generate_start"] * 2 and all(len(c[1]) == 1 for c in rec.calls[:2])
+    # The session announces itself (on CPU: no stamps), then each request as it joins its slot and leaves.
+    assert rec.calls[0] == ("session", False)
+    joined = rec.calls[1:3]
+    assert [c[0] for c in joined] == ["generate_start"] * 2 and all(len(c[1]) == 1 for c in joined)
+    # Each step's probe (the tree's rows: one per row of the step, 9 slots) comes right before its accept.
+    kinds = [c[0] for c in rec.calls]
+    assert kinds.count("probe") == kinds.count("accept") > 0
+    assert all(kinds[i + 1] == "accept" and rec.calls[i][1][1] == 9 for i, k in enumerate(kinds) if k == "probe")
     assert rec.calls[-2:] == [("generate_end", [10]), ("generate_end", [10])]
     emitted = [c[1] for c in rec.calls if c[0] == "step_end"]
     # A step runs the first slots up to the last one decoding: once slot 1 is done, steps have one row.

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.kernels.clock import stamps_available
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
 from telemetry.collector import Collector
@@ -30,11 +31,13 @@ from tests.telemetry.sync_guard import GuardedObserver, SyncGuard
 
 DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
 HOOKS = {
+    "on_session",
     "on_generate_start",
     "on_step_start",
     "on_stage_start",
     "on_stage_end",
     "on_tree",
+    "on_probe",
     "on_accept",
     "on_step_end",
     "on_generate_end",
@@ -195,3 +198,9 @@ def test_the_graphed_path_makes_no_host_reads() -> None:
         engine.generate(random_prompts(0, 3, vocab=16), GenerationConfig(budget=8, max_new_tokens=12))
     assert guard.violations == []
     assert set(guard.calls) == HOOKS
+    if stamps_available(target.device):  # one graph a step, its stages timed on the device: no stage hooks
+        steps, stages = guard.calls["on_step_start"], guard.calls["on_stage_start"]
+        assert stages < len(sc.STAGES) * steps, "replayed steps got stage hooks"
+        steps_logged = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
+        assert steps_logged and all(set(line[sc.FIELD_STAGE_MS]) == set(sc.STAGES) for line in steps_logged)
+        assert all(ms >= 0 for line in steps_logged for ms in line[sc.FIELD_STAGE_MS].values())

@@ -149,3 +149,71 @@ def test_warm_up_leaves_an_empty_session_whose_requests_are_their_own() -> None:
         while session.has_active():
             session.step()
         assert session.leave(slot).token_ids == _alone(engine, [5, 6, 7], "ddtree", 12, temperature, seed)
+
+
+class Probes(NoopObserver):
+    """Keeps each step's tree as `on_tree` sees it (device tensors, cloned) and the probe `on_probe` gets."""
+
+    def __init__(self) -> None:
+        self.sessions: list[bool] = []
+        self.current = -1
+        self.trees: dict[int, Any] = {}
+        self.probes: dict[int, Any] = {}
+
+    def on_session(self, stamped: bool) -> None:
+        self.sessions.append(stamped)
+
+    def on_step_start(self, step: int, batch_size: int) -> None:
+        self.current = step
+
+    def on_tree(self, tree: Any) -> None:
+        fields = ("depths", "tokens", "parents", "log_probs")
+        self.trees[self.current] = {name: getattr(tree, name).clone() for name in fields}
+
+    def on_probe(self, step: int, probe: Any) -> None:
+        self.probes[step] = probe
+
+
+def _decode(session: DecodeSession, requests: list[Request]) -> list[list[int]]:
+    slots = session.join(requests)
+    while session.has_active():
+        session.step()
+    session.drain()
+    return [session.leave(slot).token_ids for slot in slots]
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_an_observed_session_reads_the_tree_back_with_the_same_tokens(method: str, depth: int) -> None:
+    """With an observer the readback carries a probe: the tokens are those of an unobserved session, and each
+    step's probe holds that step's tree (no stamps on CPU: stage times come from the stage hooks)."""
+    import numpy as np
+
+    target, drafter = tiny_pair(11, vocab=16, block_size=4)
+    requests = [Request([1, 2, 3], 14, 0.0), Request([4, 5], 9, 0.9, seed=5)]
+    plain = DecodeSession(target, drafter, method, 8, None, slots=2, capacity=96, pipeline_depth=depth)
+    probes = Probes()
+    observed = DecodeSession(target, drafter, method, 8, None, 2, 96, observer=probes, pipeline_depth=depth)
+    assert _decode(observed, requests) == _decode(plain, requests)
+    assert probes.sessions == [False], "told once, and not stamped on CPU"
+    assert sorted(probes.probes) == sorted(probes.trees) == list(range(observed.steps))
+    for step, probe in probes.probes.items():
+        tree = probes.trees[step]
+        assert probe.stamps_ns is None
+        for name in ("depths", "tokens", "parents", "log_probs"):
+            assert np.array_equal(getattr(probe, name), tree[name].numpy()), (step, name)
+
+
+def test_an_unobserved_session_reads_back_the_tokens_alone() -> None:
+    """Off means off: the readback is the accepted count, the path's tokens and the bonus, nothing more."""
+    target, drafter = tiny_pair(12, vocab=16, block_size=4)
+    for observer, probed in ((NoopObserver(), True), (None, False)):  # any observer but NOOP itself reads a probe
+        kwargs = {} if observer is None else {"observer": observer}
+        session = DecodeSession(target, drafter, "ddtree", 8, None, 1, 96, pipeline_depth=2, **kwargs)
+        session.join([Request([1, 2], 8)])
+        session.step()  # two steps launched, one read
+        launch = session._inflight[0]
+        path = launch.bag["result"].path_tokens.shape[1]
+        assert (launch.layout is not None) is probed
+        width = launch.bag["out"].shape[1]
+        assert width == (launch.layout.width if launch.layout is not None else 2 + path)

@@ -1,0 +1,73 @@
+"""The columns of a step's readback: the accepted tokens the session needs and, with an observer, a probe.
+
+A step makes one device-to-host transfer, `out` ([rows, width] int64), which the session needs for its tokens
+anyway. When the session has an observer, what telemetry needs of the device rides along in the same rows,
+so telemetry makes no copies of its own:
+
+    | accepted | path tokens | bonus | depths | tokens | parents | log_probs | stamps     |
+    | 1        | path        | 1     | nodes  | nodes  | nodes   | nodes     | stages + 1 |
+
+The first three blocks are the token part (`start` columns), the rest the probe (with an observer only).
+
+`log_probs` are the tree's float32 log-probabilities as their int32 bit patterns, widened to int64 (exact).
+`stamps` (the GPU clock at the step's start and after each stage, `ddtree.kernels.clock`) are the same in
+every row, and present only in a step replayed from a graph that stamps. `readout` builds the row on the
+device, `split_rows` takes it apart on the host: the layout lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ddtree.tree import DraftTree
+from ddtree.verify import AcceptResult
+from telemetry.hooks import StepProbe
+
+
+@dataclass(frozen=True)
+class ProbeLayout:
+    """Where the probe's blocks sit in a readback row."""
+
+    start: int  # columns of the token part before the probe: accepted, the path's tokens, the bonus
+    nodes: int  # tree slots per row, root included
+    stamps: int  # device clock stamps (0: the step has none)
+
+    @property
+    def width(self) -> int:
+        """Columns of a whole row."""
+        return self.start + 4 * self.nodes + self.stamps
+
+
+def readout(
+    result: AcceptResult, tree: DraftTree | None, stamps: torch.Tensor | None
+) -> tuple[torch.Tensor, ProbeLayout | None]:
+    """The step's readback and its probe layout. `tree` None: no probe, the token part alone (and no layout);
+    `stamps` ([stages + 1] int64 on the device) None: a probe without stamps."""
+    tokens = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)  # [n, start]
+    if tree is None:
+        return tokens, None
+    layout = ProbeLayout(int(tokens.shape[1]), tree.width, 0 if stamps is None else int(stamps.numel()))
+    bits = tree.log_probs.float().view(torch.int32).to(torch.int64)  # [n, nodes] exact bit patterns
+    parts = [tokens, tree.depths.to(torch.int64), tree.tokens.to(torch.int64), tree.parents.to(torch.int64), bits]
+    if stamps is not None:
+        parts.append(stamps[None, :].expand(tokens.shape[0], -1))  # [n, stages + 1]
+    return torch.cat(parts, dim=1), layout  # [n, layout.width]
+
+
+def split_rows(block: npt.NDArray[np.int64], layout: ProbeLayout) -> tuple[list[list[int]], StepProbe]:
+    """A host readback ([rows, layout.width], an array of the caller's own: the probe keeps views of it) as the
+    token rows (`[accepted, path tokens..., bonus]` each) and the probe."""
+    if block.shape[1] != layout.width:
+        raise ValueError(f"a readback of {block.shape[1]} columns for a layout of {layout.width}")
+    n, probe = layout.nodes, block[:, layout.start :]  # [rows, 4 * nodes + stamps]
+    return block[:, : layout.start].tolist(), StepProbe(
+        depths=probe[:, :n],
+        tokens=probe[:, n : 2 * n],
+        parents=probe[:, 2 * n : 3 * n],
+        log_probs=probe[:, 3 * n : 4 * n].astype(np.int32).view(np.float32),
+        stamps_ns=probe[0, 4 * n :].tolist() if layout.stamps else None,
+    )

@@ -1,0 +1,140 @@
+"""The step runner's plan: what each captured graph runs, and where the hooks and the readout fall.
+
+Capture needs CUDA; the plan (`StepRunner._groups`) and the eager path do not, so they are checked here with
+stand-in stages and a stand-in `stamp`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ddtree.engine import graphs
+from ddtree.engine.graphs import Bag, Stage, StepRunner
+from telemetry import semconv as sc
+from telemetry.hooks import NOOP, NoopObserver
+
+
+class Calls(NoopObserver):
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def on_stage_start(self, stage: str) -> None:
+        self.log.append(f"start {stage}")
+
+    def on_tree(self, tree: Any) -> None:
+        self.log.append("tree")
+
+    def on_stage_end(self, stage: str) -> None:
+        self.log.append(f"end {stage}")
+
+
+def _runner(log: list[str], observer: Any, cuda_graphs: bool, stamped: bool) -> StepRunner:
+    def stage(name: str) -> Stage:
+        def run(bag: Bag) -> None:
+            log.append(name)
+            bag["tree"] = None
+
+        return run
+
+    stages = [(name, stage(name)) for name in sc.STAGES]
+    return StepRunner(stages, observer, cuda_graphs, finish=stage("finish"), stamped=stamped)
+
+
+def _plan(runner: StepRunner, log: list[str], monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """What each graph would run, stamps written as `stamp i`."""
+    monkeypatch.setattr(graphs, "stamp", lambda buffer, index: log.append(f"stamp {index}"))
+    plan = []
+    for group in runner._groups():
+        log.clear()
+        for run in group:
+            run({"stamps": None})
+        plan.append(list(log))
+    return plan
+
+
+def test_a_stamped_step_is_one_graph_with_its_readout_after_the_last_stamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    runner = _runner(log, Calls(log), cuda_graphs=True, stamped=True)
+    assert not runner.per_stage
+    expected = ["stamp 0"] + [x for i, s in enumerate(sc.STAGES) for x in (s, f"stamp {i + 1}")] + ["finish"]
+    assert _plan(runner, log, monkeypatch) == [expected]
+
+
+def test_without_stamps_an_observed_step_is_a_graph_per_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    runner = _runner(log, Calls(log), cuda_graphs=True, stamped=False)
+    assert _plan(runner, log, monkeypatch) == [[s] for s in sc.STAGES[:-1]] + [[sc.STAGE_ACCEPT, "finish"]]
+    unobserved = _runner(log, NOOP, cuda_graphs=True, stamped=False)
+    assert _plan(unobserved, log, monkeypatch) == [[*sc.STAGES, "finish"]]
+    assert _runner(log, Calls(log), cuda_graphs=False, stamped=True).stamped is False, "stamps need graphs"
+
+
+def test_an_eager_step_reads_out_inside_the_last_stage() -> None:
+    """The readout is a step of its own, but the accept stage's hooks still enclose it, as they did when the
+    accept stage built the readback: host-marked stage times are what they were."""
+    log: list[str] = []
+    _runner(log, Calls(log), cuda_graphs=False, stamped=False).run(("key",), {})
+    stages = [
+        x for s in sc.STAGES for x in (f"start {s}", s, *(["tree"] if s == sc.STAGE_TREE_BUILD else []), f"end {s}")
+    ]
+    assert log == [*stages[:-1], "finish", stages[-1]]
+
+
+class _DeferredGraph:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the group's Python again."""
+
+    def __init__(self, group: list[Stage], bag: Bag) -> None:
+        self.group, self.bag = group, bag
+
+    def replay(self) -> None:
+        for run in self.group:
+            run(self.bag)
+
+
+def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stamped protocol end to end, with the graphs replaced by deferred Python, one step shape (the key
+    span at the cache's capacity, as CUDA's buckets make it) and a clock that ticks 700 ns a stamp: after the
+    eager first step, steps get no stage hooks, their stage times are the stamps', their trees come from the
+    probe, the tokens are those of an unobserved session, and no hook reads the device."""
+    from ddtree.engine.session import DecodeSession, Request
+    from tests.helpers import tiny_pair
+    from tests.telemetry.helpers import captured_telemetry
+    from tests.telemetry.sync_guard import GuardedObserver, SyncGuard
+
+    ticks = iter(range(10_000, 10**9, 700))
+    monkeypatch.setattr(graphs, "stamp", lambda buffer, index: buffer.__setitem__(index, next(ticks)))
+
+    def capture(self: StepRunner, bag: Bag) -> graphs._Captured:
+        if self.stamped:
+            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64)  # [stages + 1]
+        return graphs._Captured(graphs=[_DeferredGraph(group, bag) for group in self._groups()], bag=bag)
+
+    monkeypatch.setattr(StepRunner, "_capture", capture)
+
+    def decode(observer: Any) -> list[list[int]]:
+        target, drafter = tiny_pair(3, vocab=16, block_size=4)
+        session = DecodeSession(target, drafter, "ddtree", 8, None, 2, 128, observer=observer, pipeline_depth=2)
+        runner, run = session.runner, session.runner.run
+        runner.cuda_graphs, runner.stamped, runner.per_stage = True, observer is not NOOP, False
+        if observer is not NOOP:
+            observer.on_session(True)  # what a CUDA session with triton says
+        runner.run = lambda key, bag: run((key[0], key[2]), {**bag, "span": session.capacity})  # type: ignore[method-assign]
+        slots = session.join([Request([1, 2, 3], 30), Request([4], 25, 0.8, seed=2)])
+        while session.has_active():
+            session.step()
+        session.drain()
+        return [session.leave(slot).token_ids for slot in slots]
+
+    plain = decode(NOOP)
+    captured, guard = captured_telemetry(), SyncGuard()
+    assert decode(GuardedObserver(captured.collector, guard)) == plain
+    assert guard.violations == []
+    assert guard.calls["on_stage_start"] == len(sc.STAGES) and guard.calls["on_tree"] == 1, "the eager step only"
+    steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
+    assert len(steps) > 10 and all(sum(line["tree_nodes"]) > 0 for line in steps)
+    assert all(line[sc.FIELD_STAGE_MS] == dict.fromkeys(sc.STAGES, 0.0007) for line in steps[1:])
+    spans = [s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_STEP]
+    assert all(s.end_time - s.start_time == 4 * 700 for s in spans[1:])
