@@ -44,6 +44,11 @@ RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collecto
 ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
 ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
 ANCESTORS = ("tests/ddtree/kernels/test_ancestors.py",)
+PROBE = (
+    "tests/ddtree/engine/test_probe.py",
+    "tests/ddtree/engine/test_session.py",
+    "tests/telemetry/test_collector.py",
+)
 
 
 def _mutants() -> list[Mutant]:
@@ -192,7 +197,7 @@ def _mutants() -> list[Mutant]:
             "stage-times-whole-step",
             "every stage reported with its whole step's start and end",
             "telemetry/collector.py",
-            (("stage_ns={s: (wall[i], wall[j])", "stage_ns={s: (wall[0], wall[-1])"),),
+            (("{s: (wall[i], wall[j]) for s, (i, j)", "{s: (wall[0], wall[-1]) for s, (i, j)"),),
             RECONCILE,
         ),
         Mutant(
@@ -278,6 +283,30 @@ def _mutants() -> list[Mutant]:
             "ddtree/kernels/_ancestors_triton.py",
             (("tl.uint8), mask=ok)\n", "tl.uint8), mask=ok & (cur != i))\n"),),
             ANCESTORS,
+        ),
+        Mutant(
+            "probe-parents-for-tokens",
+            "the readback's probe carries the tree's parents where its tokens belong",
+            "ddtree/engine/probe.py",
+            (
+                (
+                    "tree.depths.to(torch.int64), tree.tokens.to(torch.int64)",
+                    "tree.depths.to(torch.int64), tree.parents.to(torch.int64)",
+                ),
+            ),
+            PROBE,
+        ),
+        Mutant(
+            "stamps-not-offsets",
+            "stage times from device stamps skip the subtraction of the step's first stamp",
+            "telemetry/collector.py",
+            (
+                (
+                    "wall = [record.wall_ns + (t - stamps[0]) for t in stamps]",
+                    "wall = [record.wall_ns + t for t in stamps]",
+                ),
+            ),
+            PROBE,
         ),
     ]
 

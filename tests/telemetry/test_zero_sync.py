@@ -44,11 +44,17 @@ HOOKS = {
 }
 
 
-def _run(observer: StepObserver, method: str = "ddtree", depth: int = 1, temperature: float = 0.0) -> SyncGuard:
-    """Decode a small batch with `observer` behind a guard; return the guard."""
+def _run(
+    observer: StepObserver,
+    method: str = "ddtree",
+    depth: int = 1,
+    temperature: float = 0.0,
+    wrap: type[GuardedObserver] = GuardedObserver,
+) -> SyncGuard:
+    """Decode a small batch with `observer` behind a guard (`wrap`); return the guard."""
     target, drafter = tiny_pair(0, vocab=16, block_size=5)
     guard = SyncGuard()
-    engine = Engine(target, drafter, observer=GuardedObserver(observer, guard), pipeline_depth=depth)
+    engine = Engine(target, drafter, observer=wrap(observer, guard), pipeline_depth=depth)
     config = GenerationConfig(method=method, budget=8, temperature=temperature, seed=3, max_new_tokens=12)
     engine.generate(random_prompts(0, 3, vocab=16), config)
     return guard
@@ -64,6 +70,26 @@ def test_the_collector_and_its_sinks_make_no_host_reads(method: str, depth: int,
     assert guard.violations == []
     assert set(guard.calls) == HOOKS, "every hook ran under the guard"
     assert captured.log_lines() and captured.spans.get_finished_spans(), "the sinks ran"
+
+
+class _WithoutProbes(GuardedObserver):
+    """A loop that reads back no probe, as SGLang's worker drives the collector: it calls neither `on_session`
+    nor `on_probe`, so the collector copies the tree's arrays itself in `on_tree`."""
+
+    def on_session(self, stamped: bool) -> None:
+        pass
+
+    def on_probe(self, step: int, probe: Any) -> None:
+        pass
+
+
+def test_the_collector_copies_the_tree_itself_without_host_reads() -> None:
+    captured = captured_telemetry()
+    guard = _run(captured.collector, wrap=_WithoutProbes)
+    assert guard.violations == []
+    assert guard.calls["on_tree"] > 0 and "on_probe" not in guard.calls
+    steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
+    assert steps and any(sum(s["nodes_per_depth"]) > 0 for s in steps), "the tree reached the step logs"
 
 
 def test_the_deployed_observer_makes_no_host_reads(tmp_path: Path) -> None:
