@@ -128,14 +128,16 @@ def test_steps_the_sampler_leaves_out_get_no_stage_spans() -> None:
 
 
 class _Steps:
+    """A sink that keeps the records it is handed."""
+
     def __init__(self) -> None:
-        self.steps: list[int] = []
+        self.steps: list[Any] = []  # StepStats
 
     def start_requests(self, info: Any) -> None:
         pass
 
     def step(self, stats: Any) -> None:
-        self.steps.append(stats.step)
+        self.steps.append(stats)
 
     def end_requests(self, info: Any, results: Any) -> None:
         pass
@@ -165,7 +167,7 @@ def test_records_reach_the_sinks_in_groups_and_all_by_the_end(with_verify: bool)
     assert max(seen) >= group, "records waited for the end of generate"
     assert all(n == 0 or n >= group - 1 for n in seen), "records were handed on one at a time"
     collector.on_generate_end([])
-    assert sink.steps == list(range(2 * group + 3))
+    assert [s.step for s in sink.steps] == list(range(2 * group + 3))
 
 
 def test_requests_that_join_and_leave_a_session_are_logged_by_slot() -> None:
@@ -213,22 +215,8 @@ def test_assign_slots_names_each_rows_request_for_the_next_step() -> None:
     """A server whose batch rows move (SGLang): after `assign_slots`, row i of the step is that request."""
     from telemetry.collector import Collector
     from telemetry.hooks import GenerateInfo
-    from telemetry.stats import StepStats
 
-    class Steps:
-        def __init__(self) -> None:
-            self.steps: list[StepStats] = []
-
-        def start_requests(self, info: GenerateInfo) -> None:
-            pass
-
-        def step(self, stats: StepStats) -> None:
-            self.steps.append(stats)
-
-        def end_requests(self, info: GenerateInfo, results: list[Any]) -> None:
-            pass
-
-    sink = Steps()
+    sink = _Steps()
     collector = Collector([sink])
     for rid, slot in (("a", 0), ("b", 1), ("c", 2)):
         collector.on_generate_start(GenerateInfo("ddtree", 8, None, 0.0, 8, 0, [rid], [[1, 2]], slots=[slot]))
@@ -256,22 +244,8 @@ def _probe(rows: int, stamps: list[int] | None) -> Any:
 def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:
     from telemetry.collector import Collector
     from telemetry.hooks import GenerateInfo
-    from telemetry.stats import StepStats
 
-    class Steps:
-        def __init__(self) -> None:
-            self.steps: list[StepStats] = []
-
-        def start_requests(self, info: GenerateInfo) -> None:
-            pass
-
-        def step(self, stats: StepStats) -> None:
-            self.steps.append(stats)
-
-        def end_requests(self, info: GenerateInfo, results: list[Any]) -> None:
-            pass
-
-    sink = Steps()
+    sink = _Steps()
     collector = Collector([sink], tree_detail=tree_detail)
     collector.on_session(stamped=True)
     collector.on_generate_start(GenerateInfo("ddtree", 3, None, 0.0, 8, 0, ["a", "b"], [[1], [2]]))
