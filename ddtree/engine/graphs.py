@@ -35,6 +35,7 @@ Stage = Callable[[Bag], None]
 class _Captured:
     graphs: list[Any]  # torch.cuda.CUDAGraph, one for the step or one per stage
     bag: Bag  # the graphs' static inputs and outputs
+    per_stage: bool  # one graph per stage, replayed between the observer's stage hooks
 
 
 class StepRunner:
@@ -48,8 +49,10 @@ class StepRunner:
         cuda_graphs: bool,
         finish: Stage,
         stamped: bool = False,
+        device: torch.device | str = "cuda",
     ) -> None:
         self.stages = stages
+        self.device = device  # where the stamps live
         self.observer = observer
         self.cuda_graphs = cuda_graphs
         self.finish = finish
@@ -65,7 +68,7 @@ class StepRunner:
             if self.cuda_graphs:
                 self.captured[key] = self._capture(dict(constants))
             return bag
-        if not self.per_stage:
+        if not entry.per_stage:
             entry.graphs[0].replay()
             return entry.bag
         return self._observed(entry.bag, [_replay(graph) for graph in entry.graphs])
@@ -98,10 +101,8 @@ class StepRunner:
         return [[*timed, self.finish]]
 
     def _capture(self, bag: Bag) -> _Captured:
-        if self.stamped:  # a static buffer of the graph; the stamp kernel is compiled before capture
-            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device="cuda")  # [stages + 1]
-            for i in range(len(self.stages) + 1):
-                stamp(bag["stamps"], i)
+        if self.stamped:
+            self._prepare_stamps(bag)
         torch.cuda.synchronize()  # the warm-up step has finished before capture starts
         pool = torch.cuda.graph_pool_handle()
         graphs = []
@@ -113,7 +114,20 @@ class StepRunner:
                     for stage in group:
                         stage(bag)
             graphs.append(graph)
-        return _Captured(graphs=graphs, bag=bag)
+        return _Captured(graphs=graphs, bag=bag, per_stage=self.per_stage)
+
+    def _prepare_stamps(self, bag: Bag) -> None:
+        """The stamps' static buffer, and the stamp kernel compiled before capture. Where it cannot run (a GPU
+        without NVIDIA's PTX), observed steps fall back to a graph per stage: telemetry never stops decoding."""
+        try:
+            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device=self.device)  # [stages + 1]
+            for i in range(len(self.stages) + 1):
+                stamp(bag["stamps"], i)
+        except Exception as exc:  # any failure of the clock kernel means: no device stamps
+            message = f"ddtree: no device clock stamps ({exc}); stage times come from events between graphs"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            bag.pop("stamps", None)
+            self.stamped, self.per_stage = False, True
 
 
 def _replay(graph: Any) -> Stage:

@@ -158,6 +158,7 @@ class DecodeSession:
             cuda_graphs,
             finish=self._readout,
             stamped=stamped,
+            device=device,
         )
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)

@@ -18,9 +18,9 @@ import torch
 
 
 def stamps_available(device: torch.device) -> bool:
-    """Whether `stamp` can run for tensors on `device`: a CUDA device, triton importable, and the kernel not
+    """Whether `stamp` can run for tensors on `device`: an NVIDIA CUDA device, triton importable, and the kernel not
     built for Triton's interpreter (TRITON_INTERPRET=1), which cannot run inline PTX."""
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip:  # the kernel is NVIDIA PTX; ROCm's devices are "cuda" too
         return False
     try:
         import triton  # noqa: F401

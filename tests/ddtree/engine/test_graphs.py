@@ -83,6 +83,26 @@ def test_an_eager_step_reads_out_inside_the_last_stage() -> None:
     assert log == [*stages[:-1], "finish", stages[-1]]
 
 
+def test_without_a_working_clock_kernel_observed_steps_fall_back_to_a_graph_per_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU where the stamp kernel cannot run (no NVIDIA PTX): a warning, then stage hooks between per-stage
+    graphs, as without Triton; decoding goes on."""
+
+    def broken(buffer: torch.Tensor, index: int) -> None:
+        raise RuntimeError("no %globaltimer here")
+
+    monkeypatch.setattr(graphs, "stamp", broken)
+    log: list[str] = []
+    runner = _runner(log, Calls(log), cuda_graphs=True, stamped=True)
+    runner.device = "cpu"
+    bag: Bag = {}
+    with pytest.warns(RuntimeWarning, match="no device clock stamps"):
+        runner._prepare_stamps(bag)
+    assert "stamps" not in bag and not runner.stamped and runner.per_stage
+    assert [len(group) for group in runner._groups()] == [1] * (len(sc.STAGES) - 1) + [2]
+
+
 class _DeferredGraph:
     """Stands in for a captured CUDA graph on CPU: a replay runs the group's Python again."""
 
@@ -110,7 +130,8 @@ def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     def capture(self: StepRunner, bag: Bag) -> graphs._Captured:
         if self.stamped:
             bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64)  # [stages + 1]
-        return graphs._Captured(graphs=[_DeferredGraph(group, bag) for group in self._groups()], bag=bag)
+        groups = [_DeferredGraph(group, bag) for group in self._groups()]
+        return graphs._Captured(graphs=groups, bag=bag, per_stage=self.per_stage)
 
     monkeypatch.setattr(StepRunner, "_capture", capture)
 

@@ -26,6 +26,18 @@ def test_no_stamps_off_a_cuda_device() -> None:
     assert not stamps_available(torch.device("cpu"))
 
 
+def test_no_stamps_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROCm's devices are "cuda" to torch, but the kernel is NVIDIA PTX."""
+    pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
+    from ddtree.kernels import clock
+
+    monkeypatch.setattr(clock, "_interpreting", lambda: False)  # as a compiled kernel on a GPU machine
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert stamps_available(torch.device("cuda"))
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not stamps_available(torch.device("cuda"))
+
+
 def test_no_stamps_from_a_kernel_built_for_the_interpreter() -> None:
     """On CPU the tests run Triton's interpreter (TRITON_INTERPRET=1), which cannot run inline PTX."""
     pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
