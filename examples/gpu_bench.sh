@@ -19,7 +19,7 @@ fi
 if has tests; then
   # test_tree_build.py runs in the interpreter only; examples/tree_build_device.py checks the GPU's trees
   DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels/test_tree_attention.py \
-    tests/ddtree/kernels/test_ancestors.py tests/telemetry/test_zero_sync.py
+    tests/ddtree/kernels/test_ancestors.py tests/ddtree/kernels/test_clock.py tests/telemetry/test_zero_sync.py
 fi
 if has lossless; then $PY examples/gpu_checks.py "$target" "" cuda lossless; fi
 if has sync; then $PY examples/gpu_checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
