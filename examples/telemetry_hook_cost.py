@@ -84,9 +84,10 @@ def main(target_dir: str, drafter_dir: str, device: str) -> None:
     for name in ("split_rows",):  # the probe's host side runs in the session, outside the hooks: counted with them
         setattr(session_module, name, timed(getattr(session_module, name), f"{name} (session)", spent))
         hooks.append(f"{name} (session)")
+    where = " (hand-off thread)" if observer.handoff is not None else ""  # not the decode thread's time
     for sink in observer.sinks:
-        sink.step = timed(sink.step, f"  {type(sink).__name__}.step", spent)
-    observer._resolve = timed(observer._resolve, "  Collector._resolve", spent)
+        sink.step = timed(sink.step, f"  {type(sink).__name__}.step{where}", spent)
+    observer._resolve = timed(observer._resolve, f"  Collector._resolve{where}", spent)
     for name in ("mark", "ready", "to_wall_ns", "release"):
         setattr(observer.clock, name, timed(getattr(observer.clock, name), f"  clock.{name}", spent))
     engine = Engine(target, drafter, observer=observer)

@@ -18,6 +18,11 @@ times too, as GPU clock stamps: it gets no stage hooks, records no event, and is
 offsets from the first one. `on_step_start` cannot tell such a step from the eager first step of a shape,
 which does get stage hooks, so in a stamped session a step's first mark is taken at its first stage hook.
 Stamped records are resolved and handed on `STAMPED_DRAIN_EVERY` at a time, at a step start.
+
+With `handoff` (what `start_telemetry` sets on CUDA), none of that runs on the decode thread: a step's end
+posts its record to `telemetry.handoff`'s thread, which waits for its marks, resolves it and calls the sinks
+while the decode thread waits for the device; requests starting and ending reach the sinks the same way, in
+order. `flush` waits for that thread, `close` stops it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from telemetry import semconv as sc
+from telemetry.handoff import HandOff
 from telemetry.hooks import GenerateInfo, RequestResult, StepProbe
 from telemetry.stats import StatsSink, StepStats, call_sinks
 from telemetry.timing import StageClock, clock_for
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
 @dataclass
 class _Pending:
     step: int
+    info: GenerateInfo | None  # the requests' settings when the step started
     wall_ns: int
     marks: list[Any]
     stages: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> mark indices
@@ -61,8 +68,11 @@ STAMPED_DRAIN_EVERY = 32  # in a stamped session: records left before a step sta
 class Collector:
     """Implements `telemetry.hooks.StepObserver`."""
 
-    def __init__(self, sinks: list[StatsSink], device_type: str = "cpu", tree_detail: bool = False) -> None:
+    def __init__(
+        self, sinks: list[StatsSink], device_type: str = "cpu", tree_detail: bool = False, handoff: bool = False
+    ) -> None:
         self.sinks = sinks
+        self.handoff = HandOff() if handoff else None  # the thread that resolves records and calls the sinks
         self.tree_fields = ("tokens", "parents", "log_probs") if tree_detail else ("tokens", "parents")
         self.clock: StageClock = clock_for(device_type)
         self.pinned = device_type == "cuda"
@@ -92,7 +102,7 @@ class Collector:
             self.infos[rid] = info
             self.slot_ids.extend([None] * (slot + 1 - len(self.slot_ids)))
             self.slot_ids[slot] = rid
-        call_sinks(self.sinks, "start_requests", info)
+        self._to_sinks("start_requests", info)
 
     def assign_slots(self, request_ids: list[str | None]) -> None:
         """Name the request in each row of the step that starts next, for a server whose batch rows move
@@ -103,7 +113,8 @@ class Collector:
     def on_step_start(self, step: int, batch_size: int) -> None:
         if len(self.pending) >= self.drain_at:
             self._drain()
-        self.current = _Pending(step=step, wall_ns=time.time_ns(), marks=[], slot_ids=self._slots(batch_size))
+        slots = self._slots(batch_size)
+        self.current = _Pending(step=step, info=self.info, wall_ns=time.time_ns(), marks=[], slot_ids=slots)
         self.started[step] = self.current
         self.boundary = None  # stamped: no mark unless a stage hook comes (the step runs eagerly)
         if not self.stamped:
@@ -175,7 +186,9 @@ class Collector:
                 record.marks.append(self.clock.mark())
             self.current = None
             self.boundary = None
-        if any(emitted):
+        if any(emitted) and self.handoff is not None:
+            self.handoff.post(self._finish, record, droppable=True)
+        elif any(emitted):
             self.pending.append(record)
         else:  # a step launched ahead while its requests finished: no request decoded in it
             self.clock.release(record.marks)
@@ -191,7 +204,7 @@ class Collector:
             groups.setdefault(id(info), (info, []))[1].append(result)
             self.slot_ids = [None if rid == result.request_id else rid for rid in self.slot_ids]
         for info, group in groups.values():
-            call_sinks(self.sinks, "end_requests", _only(info, [r.request_id for r in group]), group)
+            self._to_sinks("end_requests", _only(info, [r.request_id for r in group]), group)
         if not self.infos:
             self.info = None
 
@@ -204,26 +217,44 @@ class Collector:
         """Whether the record's marks can be read; a stamped record has none and is ready at once."""
         return not record.marks or self.clock.ready(record.marks)
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the sinks have every call made so far (at once without `handoff`); False on a timeout."""
+        return self.handoff is None or self.handoff.flush(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Hand on what is posted and stop the hand-off thread, if there is one."""
+        if self.handoff is not None:
+            self.handoff.close(timeout_s)
+
+    def _to_sinks(self, method: str, *args: Any) -> None:
+        if self.handoff is not None:
+            self.handoff.post(call_sinks, self.sinks, method, *args)
+        else:
+            call_sinks(self.sinks, method, *args)
+
     def _drain(self, wait: bool = False) -> None:
         while self.pending and (wait or self._ready(self.pending[0])):
-            record = self.pending.popleft()
-            if wait and not self._ready(record):
-                record.marks[-1].synchronize()
-            stats = self._resolve(record)
-            self.clock.release(record.marks)
-            self._release(record)
-            call_sinks(self.sinks, "step", stats)
+            self._finish(self.pending.popleft())
+
+    def _finish(self, record: _Pending) -> None:
+        """Resolve a record (after its last mark, if that has not completed) and hand it to the sinks."""
+        if not self._ready(record):
+            record.marks[-1].synchronize()
+        stats = self._resolve(record)
+        self.clock.release(record.marks)
+        self._release(record)
+        call_sinks(self.sinks, "step", stats)
 
     def _resolve(self, record: _Pending) -> StepStats:
         """Only what needs this process: event times or stamps, and the tree's rows. The counts derived from the
         depths are computed by whoever reads them first (`StepStats`), normally the exporter process."""
-        assert self.info is not None
+        assert record.info is not None
         start_ns, end_ns, stage_ns = self._times(record)
         active = [e > 0 for e in record.emitted]
         tree = self._tree(record, active)
         return StepStats(
             step=record.step,
-            info=self.info,
+            info=record.info,
             active=active,
             depths=tree.get("depths"),
             accepted=[n for n, a in zip(record.accepted, active, strict=True) if a],

@@ -42,17 +42,31 @@ class RequestResult:
     finish_reason: str  # "stop" (end of sequence) or "length"
 
 
-@dataclass(frozen=True)
-class StepProbe:
+class StepProbe(Protocol):
     """What telemetry needs of a step's device state, read back by the loop with the step's tokens: host arrays
-    (the observer's own), one row per row of the step."""
+    (the observer's own), one row per row of the step. A loop may compute them on first access (the engine's
+    probe takes its columns apart only when they are read), so an observer reads them off the decode thread."""
 
-    depths: npt.NDArray[np.int64]  # [rows, nodes]: each tree slot's depth, 0 = root or padding
-    tokens: npt.NDArray[np.int64]  # [rows, nodes]: draft tokens, -1 = root or padding
-    parents: npt.NDArray[np.int64]  # [rows, nodes]: parent node, -1 = root or padding
-    log_probs: npt.NDArray[np.float32]  # [rows, nodes]: the drafter's log-probabilities, -inf = padding
-    stamps_ns: list[int] | None  # GPU clock at the step's start, then at the end of each stage in
-    # `semconv.STAGES` order; None: the step was not stamped (its stage hooks ran)
+    @property
+    def depths(self) -> npt.NDArray[np.int64]:
+        """[rows, nodes]: each tree slot's depth, 0 = root or padding."""
+
+    @property
+    def tokens(self) -> npt.NDArray[np.int64]:
+        """[rows, nodes]: draft tokens, -1 = root or padding."""
+
+    @property
+    def parents(self) -> npt.NDArray[np.int64]:
+        """[rows, nodes]: parent node, -1 = root or padding."""
+
+    @property
+    def log_probs(self) -> npt.NDArray[np.float32]:
+        """[rows, nodes]: the drafter's log-probabilities, -inf = padding."""
+
+    @property
+    def stamps_ns(self) -> list[int] | None:
+        """GPU clock at the step's start, then at the end of each stage in `semconv.STAGES` order; None: the
+        step was not stamped (its stage hooks ran)."""
 
 
 class StepObserver(Protocol):

@@ -133,10 +133,10 @@ def build(
     from telemetry.process import ExporterProcess
 
     exporter = ExporterProcess(config, device_type, model_name, detokenize)
+    # On CUDA the decode thread waits for the device every step: the collector's work runs in that wait.
+    collector = Collector([exporter], device_type, tree_detail=config.log_tree > 0, handoff=device_type == "cuda")
     return Telemetry(
-        observer=Collector([exporter], device_type, tree_detail=config.log_tree > 0),
-        prometheus_port=exporter.prometheus_port,
-        closers=[exporter.close],
+        observer=collector, prometheus_port=exporter.prometheus_port, closers=[collector.close, exporter.close]
     )
 
 

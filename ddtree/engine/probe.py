@@ -12,12 +12,13 @@ The first three blocks are the token part (`start` columns), the rest the probe 
 `log_probs` are the tree's float32 log-probabilities as their int32 bit patterns, widened to int64 (exact).
 `stamps` (the GPU clock at the step's start and after each stage, `ddtree.kernels.clock`) are the same in
 every row, and present only in a step replayed from a graph that stamps. `readout` builds the row on the
-device, `split_rows` takes it apart on the host: the layout lives here and nowhere else.
+device; `split_rows` and `ReadbackProbe` take it apart on the host: the layout lives here and nowhere else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +26,6 @@ import torch
 
 from ddtree.tree import DraftTree
 from ddtree.verify import AcceptResult
-from telemetry.hooks import StepProbe
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,43 @@ def readout(
     return torch.cat(parts, dim=1), layout  # [n, layout.width]
 
 
-def split_rows(block: npt.NDArray[np.int64], layout: ProbeLayout) -> tuple[list[list[int]], StepProbe]:
+class ReadbackProbe:
+    """A `telemetry.hooks.StepProbe` over the probe's columns of a readback: each field is cut out of the
+    block when first read, so the decode thread only wraps the block and an observer pays for the rest where
+    it reads them (telemetry does so off the decode thread)."""
+
+    def __init__(self, block: npt.NDArray[np.int64], nodes: int, stamps: int) -> None:
+        self.block = block  # [rows, 4 * nodes + stamps]
+        self.nodes = nodes
+        self.stamps = stamps
+
+    def _column(self, index: int) -> npt.NDArray[np.int64]:
+        return self.block[:, index * self.nodes : (index + 1) * self.nodes]  # [rows, nodes]
+
+    @cached_property
+    def depths(self) -> npt.NDArray[np.int64]:
+        return self._column(0)
+
+    @cached_property
+    def tokens(self) -> npt.NDArray[np.int64]:
+        return self._column(1)
+
+    @cached_property
+    def parents(self) -> npt.NDArray[np.int64]:
+        return self._column(2)
+
+    @cached_property
+    def log_probs(self) -> npt.NDArray[np.float32]:
+        return self._column(3).astype(np.int32).view(np.float32)
+
+    @cached_property
+    def stamps_ns(self) -> list[int] | None:
+        return self.block[0, 4 * self.nodes :].tolist() if self.stamps else None
+
+
+def split_rows(block: npt.NDArray[np.int64], layout: ProbeLayout) -> tuple[list[list[int]], ReadbackProbe]:
     """A host readback ([rows, layout.width], an array of the caller's own: the probe keeps views of it) as the
     token rows (`[accepted, path tokens..., bonus]` each) and the probe."""
     if block.shape[1] != layout.width:
         raise ValueError(f"a readback of {block.shape[1]} columns for a layout of {layout.width}")
-    n, probe = layout.nodes, block[:, layout.start :]  # [rows, 4 * nodes + stamps]
-    return block[:, : layout.start].tolist(), StepProbe(
-        depths=probe[:, :n],
-        tokens=probe[:, n : 2 * n],
-        parents=probe[:, 2 * n : 3 * n],
-        log_probs=probe[:, 3 * n : 4 * n].astype(np.int32).view(np.float32),
-        stamps_ns=probe[0, 4 * n :].tolist() if layout.stamps else None,
-    )
+    return block[:, : layout.start].tolist(), ReadbackProbe(block[:, layout.start :], layout.nodes, layout.stamps)

@@ -43,7 +43,7 @@ class Captured:
         return sum(p.value for p in self.metric_points().get(name, []))
 
 
-def captured_telemetry(log_content: bool = False, sampler: Any = None) -> Captured:
+def captured_telemetry(log_content: bool = False, sampler: Any = None, handoff: bool = False) -> Captured:
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider(sampler=sampler)
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -53,4 +53,4 @@ def captured_telemetry(log_content: bool = False, sampler: Any = None) -> Captur
     logger = make_logger(TelemetryConfig(), log)
     trace_sink = TraceSink(tracer_provider.get_tracer("test"), "tiny", log_content, lambda ids: ",".join(map(str, ids)))
     sinks = [trace_sink, MetricsSink(meter), LogSink(logger, log_content, lambda _s: trace_sink.last_trace_id)]
-    return Captured(Collector(sinks, "cpu"), spans, reader, log)
+    return Captured(Collector(sinks, "cpu", handoff=handoff), spans, reader, log)

@@ -12,16 +12,27 @@ from tests.telemetry.helpers import captured_telemetry
 
 
 @pytest.mark.parametrize(
-    ("method", "batch", "depth"), [("ddtree", 3, 1), ("dflash", 1, 1), ("ar", 2, 1), ("ddtree", 3, 2)]
+    ("method", "batch", "depth", "handoff"),
+    [
+        ("ddtree", 3, 1, False),
+        ("dflash", 1, 1, False),
+        ("ar", 2, 1, False),
+        ("ddtree", 3, 2, False),
+        ("ddtree", 3, 2, True),
+        ("dflash", 2, 1, True),
+    ],
 )
-def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: int, depth: int) -> None:
-    """Depth 2: each step is launched before the last one's tokens are read, as on a GPU with graphs."""
+def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: int, depth: int, handoff: bool) -> None:
+    """Depth 2: each step is launched before the last one's tokens are read, as on a GPU with graphs. With
+    `handoff` the sinks are called from the collector's thread, and have everything once it is flushed."""
     target, drafter = tiny_pair(2, vocab=12, block_size=5)
-    captured = captured_telemetry()
+    captured = captured_telemetry(handoff=handoff)
     prompts = random_prompts(2, batch, vocab=12)
     result = Engine(target, drafter, observer=captured.collector, pipeline_depth=depth).generate(
         prompts, GenerationConfig(method=method, budget=16, max_new_tokens=15)
     )
+    assert captured.collector.flush(timeout_s=30)
+    captured.collector.close()
     tokens = sum(len(o.token_ids) for o in result.outputs)
     accepted = sum(a - 1 for o in result.outputs for a in o.acceptance_lengths)
 
@@ -230,15 +241,15 @@ def test_assign_slots_names_each_rows_request_for_the_next_step() -> None:
 
 def _probe(rows: int, stamps: list[int] | None) -> Any:
     """A probe of `rows` rows of 4 tree slots: row r's depths [0, 1, 2, 0], tokens [-1, r, r + 5, -1]..."""
-    import numpy as np
+    from types import SimpleNamespace
 
-    from telemetry.hooks import StepProbe
+    import numpy as np
 
     depths = np.tile(np.array([0, 1, 2, 0], dtype=np.int64), (rows, 1))  # [rows, 4]
     tokens = np.array([[-1, r, r + 5, -1] for r in range(rows)], dtype=np.int64)  # [rows, 4]
     parents = np.tile(np.array([-1, 0, 1, -1], dtype=np.int64), (rows, 1))  # [rows, 4]
     log_probs = np.tile(np.array([0.0, -0.5, -1.0, -np.inf], dtype=np.float32), (rows, 1))  # [rows, 4]
-    return StepProbe(depths, tokens, parents, log_probs, stamps)
+    return SimpleNamespace(depths=depths, tokens=tokens, parents=parents, log_probs=log_probs, stamps_ns=stamps)
 
 
 def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:

@@ -72,6 +72,17 @@ def test_the_collector_and_its_sinks_make_no_host_reads(method: str, depth: int,
     assert captured.log_lines() and captured.spans.get_finished_spans(), "the sinks ran"
 
 
+def test_with_a_handoff_thread_the_hooks_make_no_host_reads() -> None:
+    """The hooks only post records; the thread resolves them outside every hook."""
+    captured = captured_telemetry(handoff=True)
+    guard = _run(captured.collector, "ddtree", 2, 0.0)
+    assert captured.collector.flush(timeout_s=30)
+    captured.collector.close()
+    assert guard.violations == []
+    assert set(guard.calls) == HOOKS, "every hook ran under the guard"
+    assert captured.log_lines() and captured.spans.get_finished_spans(), "the sinks ran"
+
+
 class _WithoutProbes(GuardedObserver):
     """A loop that reads back no probe, as SGLang's worker drives the collector: it calls neither `on_session`
     nor `on_probe`, so the collector copies the tree's arrays itself in `on_tree`."""
