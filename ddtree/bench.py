@@ -2,15 +2,20 @@
 
 tau is the mean acceptance length: per verify step, accepted drafts + 1, averaged over all steps of all
 requests. Speed is new tokens over wall time; `speedup` is the ratio to `ar` in the same run, which is
-the only comparison these numbers support.
+the only comparison these numbers support. The rows are interleaved: every row runs a batch of prompts
+before the next batch starts, the first row rotating from batch to batch, so that drift on a GPU (clocks,
+heat, what ran just before) hits every row alike instead of the rows run last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import time
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,72 @@ def heldout_prompts(path: str | None = None) -> list[str]:
         raise UserError(f"cannot read prompts from {str(source)!r}: {exc}") from exc
 
 
+Prompts = list[list[int]]
+BatchRun = tuple[list[tuple[int, ...]], int, float, list[int]]  # token rows, steps, seconds, acceptance lengths
+
+
+@dataclass(frozen=True)
+class RowRunner:
+    """One row of the bench: `warm` runs a batch untimed, `timed` runs it once and says what it took."""
+
+    method: str
+    budget: int | None
+    warm: Callable[[Prompts], object]
+    timed: Callable[[Prompts], BatchRun]
+
+
+@dataclass
+class _Totals:
+    """A row's figures summed over its timed runs; token rows per batch index, from the first round."""
+
+    tokens: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    steps: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    lengths: list[int] = field(default_factory=list)
+
+    def add(self, batch: int, run: BatchRun) -> None:
+        rows, steps, seconds, lengths = run
+        self.tokens.setdefault(batch, rows)
+        self.steps += steps
+        self.new_tokens += sum(len(r) for r in rows)
+        self.seconds += seconds
+        self.lengths += lengths
+
+    def row(self, runner: RowRunner) -> BenchRow:
+        tau = None if runner.method == HF_BASELINE else mean_acceptance_length(self.lengths)
+        tokens = tuple(t for b in sorted(self.tokens) for t in self.tokens[b])
+        return BenchRow(runner.method, runner.budget, tau, self.steps, self.new_tokens, self.seconds, tokens)
+
+
+def bench_schedule(batches: int, rows: int, rounds: int) -> list[tuple[int, int, int]]:
+    """(round, batch index, row index) in run order: every row runs a batch before the next batch starts,
+    and batch i starts at row i mod `rows`, so that drift in clocks or load hits every row alike."""
+    return [
+        (round_index, batch, (batch + k) % rows)
+        for round_index in range(rounds)
+        for batch in range(batches)
+        for k in range(rows)
+    ]
+
+
+def run_rows(runners: list[RowRunner], batches: list[Prompts], rounds: int, device: torch.device) -> list[BenchRow]:
+    """Warm every row up, then run `bench_schedule`; a row's figures sum over all its batches and rounds.
+
+    The warm-up keeps first-call costs out of the timings. On CUDA every row runs every batch once: graphs
+    are captured and regions compiled per step shape (key span, batch), and every shape the timed runs meet
+    must exist. Elsewhere each row runs the first batch."""
+    if rounds < 1:
+        raise UserError(f"rounds must be >= 1, got {rounds}")
+    for runner in runners:
+        for batch in batches if device.type == "cuda" else batches[:1]:
+            runner.warm(batch)
+    totals = [_Totals() for _ in runners]
+    for _, index, row in bench_schedule(len(batches), len(runners), rounds):
+        totals[row].add(index, runners[row].timed(batches[index]))
+    return [t.row(r) for t, r in zip(totals, runners, strict=True)]
+
+
 def run_bench(
     engine: Engine,
     encoded: list[list[int]],
@@ -67,57 +138,69 @@ def run_bench(
     batch_size: int,
     methods: list[str],
     eos: tuple[int, ...],
+    rounds: int = 1,
+    baseline: bool = False,
 ) -> list[BenchRow]:
-    """One row per method (per budget for methods tuned by it), all on the same prompts and engine."""
+    """One row per method (per budget for methods tuned by it), and HF generate's first with `baseline`, all
+    on the same prompts and engine. The rows are interleaved per batch (`bench_schedule`), `rounds` times
+    over: on a GPU one method's ms per step moved by 14% with what ran before it, and rows run one after
+    another would carry such drift into their ratios."""
+    runners = [engine_runner(engine, method, budget, max_new_tokens, eos) for method, budget in _runs(methods, budgets)]
+    if baseline:  # warmed up last, so that HF compiles its forward after our graphs are captured
+        runners.append(hf_runner(engine.target, max_new_tokens, eos))
+    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+    rows = run_rows(runners, batches, rounds, engine.target.device)
+    return rows[-1:] + rows[:-1] if baseline else rows
+
+
+def _runs(methods: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
     runs: list[tuple[str, int | None]] = []
     for method in methods:
         runs += [(method, b) for b in budgets] if get_method(method).tuned_by_budget else [(method, None)]
-    rows = []
-    for method, budget in runs:
-        config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-        _warm_up(engine, encoded, config, batch_size)
-        results = _run_batches(engine, encoded, config, batch_size)
-        lengths = [a for r in results for o in r.outputs for a in o.acceptance_lengths]
-        steps, new_tokens = sum(r.steps for r in results), sum(r.new_tokens for r in results)
-        seconds = sum(r.seconds for r in results)
-        tokens = tuple(tuple(o.token_ids) for r in results for o in r.outputs)
-        rows.append(BenchRow(method, budget, mean_acceptance_length(lengths), steps, new_tokens, seconds, tokens))
-    return rows
+    return runs
 
 
-def _warm_up(engine: Engine, encoded: list[list[int]], config: GenerationConfig, batch_size: int) -> None:
-    """Keep first-call costs out of the timings. On CUDA that is the whole run once: graphs are captured and
-    regions compiled per step shape (key span, batch), and every shape the timed run meets must exist."""
-    if engine.target.device.type == "cuda":
-        _run_batches(engine, encoded, config, batch_size)
-    else:
-        engine.generate(encoded[:batch_size], replace(config, max_new_tokens=min(8, config.max_new_tokens)))
+def engine_runner(
+    engine: Engine, method: str, budget: int | None, max_new_tokens: int, eos: tuple[int, ...]
+) -> RowRunner:
+    """A row of our engine, on a copy of `engine` with a session cache of its own: the engine keeps a few
+    sessions, and with rows interleaved a shared cache would drop a row's sessions (and their captured graphs)
+    between its batches. Its warm-up is the whole batch on CUDA, a short generate elsewhere."""
+    engine = copy.copy(engine)
+    engine.sessions = OrderedDict()
+    config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+    short = replace(config, max_new_tokens=min(8, max_new_tokens))
+    warm_config = config if engine.target.device.type == "cuda" else short
+
+    def timed(batch: Prompts) -> BatchRun:
+        result = _run_batches(engine, batch, config, len(batch))[0]
+        lengths = [a for o in result.outputs for a in o.acceptance_lengths]
+        return [tuple(o.token_ids) for o in result.outputs], result.steps, result.seconds, lengths
+
+    return RowRunner(method, budget, lambda batch: engine.generate(batch, warm_config), timed)
 
 
-def hf_generate_row(
-    target: Target, encoded: list[list[int]], max_new_tokens: int, batch_size: int, eos: tuple[int, ...]
-) -> BenchRow:
-    """HF transformers `generate` on the same prompts: greedy, static cache (which it compiles on CUDA),
-    prompts left-padded per batch. New tokens count up to and including the first end-of-sequence token."""
+def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...]) -> RowRunner:
+    """HF transformers `generate` on the target: greedy, static cache (which it compiles on CUDA), prompts
+    left-padded per batch. New tokens count up to and including the first end-of-sequence token; a batch's
+    steps are its longest row's new tokens."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     model: Any = target.model
     pad = eos[0] if eos else 0
-    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
-    for batch in batches if target.device.type == "cuda" else batches[:1]:  # compile and warm up, as for ours
-        _hf_batch(model, batch, max_new_tokens, eos, pad)
-    tokens: list[tuple[int, ...]] = []
-    steps, seconds = 0, 0.0
-    for batch in batches:
+
+    def generate(batch: Prompts) -> list[tuple[int, ...]]:
+        return _hf_batch(model, batch, max_new_tokens, eos, pad)
+
+    def timed(batch: Prompts) -> BatchRun:
         _sync(target.device)
         started = time.perf_counter()
-        rows = _hf_batch(model, batch, max_new_tokens, eos, pad)
+        rows = generate(batch)
         _sync(target.device)
-        seconds += time.perf_counter() - started
-        tokens += rows
-        steps += max(len(r) for r in rows)
-    return BenchRow(HF_BASELINE, None, None, steps, sum(len(r) for r in tokens), seconds, tuple(tokens))
+        return rows, max(len(r) for r in rows), time.perf_counter() - started, []
+
+    return RowRunner(HF_BASELINE, None, generate, timed)
 
 
 def _hf_batch(

@@ -123,7 +123,10 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: tokens/s of the first method and budget with telemetry off and on, interleaved",
     )
     bench.add_argument(
-        "--rounds", type=int, default=4, help="off/on rounds for --telemetry-overhead (the order alternates)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds of the interleaved rows (default 1), or off/on rounds for --telemetry-overhead (default 4)",
     )
     bench.add_argument("--tree-build", action="store_true", help="instead: time the tree build alone (torch, triton)")
     bench.add_argument(
@@ -216,7 +219,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree.bench import format_rows, heldout_prompts, hf_generate_row, rows_json, run_bench
+    from ddtree.bench import format_rows, heldout_prompts, rows_json, run_bench
     from ddtree.runtime import eos_ids, resolve_paths
     from ddtree.train.data import chat_ids
 
@@ -228,6 +231,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
     if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
+    if args.rounds is not None and args.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {args.rounds}")
     options = _engine_options(args)
     options.check()
     prompts = heldout_prompts(args.prompts)[: args.limit]
@@ -240,13 +245,15 @@ def _bench(args: argparse.Namespace) -> int:
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     engine = options.engine(target, drafter)
-    rows = run_bench(engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos)
-    if args.baseline:  # after ours, so that its compiled forward cannot touch our runs' state
-        rows.insert(0, hf_generate_row(target, encoded, args.max_new_tokens, args.batch_size, eos))
+    rounds, baseline = args.rounds or 1, bool(args.baseline)
+    rows = run_bench(
+        engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos, rounds, baseline
+    )
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
     print(
         f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, "
-        f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}"
+        f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}, "
+        f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}"
     )
     print(format_rows(rows))
     if args.json_out:
@@ -309,7 +316,7 @@ def _overhead(
     )
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     pair = PairSpec(paths[0], paths[1], args.device, args.dtype)
-    off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds, on)
+    off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds or 4, on)
     label = method_label(method, args.budgets[0])
     print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
     return 0

@@ -1,6 +1,7 @@
 """GPU check of the fused Triton tree build against the torch reference: exactness, then speed.
 
     python examples/tree_build_device.py [--json OUT] [--trials N] [--quick]
+    ncu --clock-control none -k regex:"vocab|beam" python examples/tree_build_device.py --profile-goal
 
 Run from the repository root on a CUDA machine with triton. Part 1 builds both trees from fresh random logits
 for many shapes and dtypes and counts, per shape: `exact` (same tokens, parents, depths, num_nodes; log_probs
@@ -197,16 +198,32 @@ def time_knobs() -> list[dict[str, Any]]:
     return rows
 
 
+def profile_goal() -> int:
+    """The issue's goal shape (batch 32, depth 15, vocab 49152, budget 256): three builds per dtype, so that a
+    profiler attached from outside sees warm kernels."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(32, 15, 49152, device="cuda") * 3.0).to(dtype)
+        for _ in range(3):
+            build_tree_fused(logits, 256)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--trials", type=int, default=10, help="random inputs per shape (default 10)")
     parser.add_argument("--quick", action="store_true", help="first 3 shapes and fewer timings")
     parser.add_argument("--knobs", action="store_true", help="also time the tuning knobs of ddtree.kernels.tree_build")
+    parser.add_argument(
+        "--profile-goal", action="store_true", help="only build the goal shape's tree 3 times, f32 then bf16 (for ncu)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or not triton_available():
         print("needs a CUDA device and triton")
         return 2
+    if args.profile_goal:
+        return profile_goal()
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}")
     results: dict[str, Any] = {"exactness": [], "timing": []}
     for radix in (None, 4):  # the module's knobs, then every threshold search at 4 bits a round
