@@ -52,10 +52,11 @@ class StepStats:
 
     @cached_property
     def accepted_per_depth(self) -> list[int]:
-        """Index d: active requests that accepted a draft at depth d (same length as `nodes_per_depth`)."""
+        """Index d: active requests that accepted a draft at depth d (same length as `nodes_per_depth`: a step
+        whose tree's depths never reached the collector counts its accepted drafts in `accepted` only)."""
         counts = [0] * len(self.nodes_per_depth)
         for n in self.accepted:
-            for d in range(1, n + 1):
+            for d in range(1, min(n, len(counts) - 1) + 1):
                 counts[d] += 1
         return counts
 

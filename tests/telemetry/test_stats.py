@@ -58,3 +58,10 @@ def test_the_fields_sent_to_the_exporter_rebuild_the_same_counts() -> None:
     rebuilt = StepStats(0, INFO, *sent, {}, 0, 1)
     assert rebuilt.nodes_per_depth == stats.nodes_per_depth
     assert rebuilt.tree_nodes == stats.tree_nodes == [6, 6, 6]
+
+
+def test_a_step_without_its_trees_depths_still_has_per_depth_counts_of_one_length() -> None:
+    """A loop that skipped `on_tree` for a step (no depths): no depth counts, and nothing raises for the sinks."""
+    stats = _stats(None, [0, 2, 3])
+    assert stats.nodes_per_depth == [0] and stats.accepted_per_depth == [0] and stats.tree_depth == 0
+    assert stats.tree_nodes == [0, 0, 0] and stats.accepted == [0, 2, 3]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,11 @@ class _WithoutProbes(GuardedObserver):
 
 def test_the_collector_copies_the_tree_itself_without_host_reads() -> None:
     captured = captured_telemetry()
-    guard = _run(captured.collector, wrap=_WithoutProbes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard = _run(captured.collector, wrap=_WithoutProbes)
     assert guard.violations == []
+    assert not [w for w in caught if "ddtree telemetry" in str(w.message)], "a sink failed and was dropped"
     assert guard.calls["on_tree"] > 0 and "on_probe" not in guard.calls
     steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
     assert steps and any(sum(s["nodes_per_depth"]) > 0 for s in steps), "the tree reached the step logs"
