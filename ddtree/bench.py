@@ -104,9 +104,10 @@ class _Totals:
 
 def bench_schedule(batches: int, rows: int, rounds: int) -> list[tuple[int, int, int]]:
     """(round, batch index, row index) in run order: every row runs a batch before the next batch starts,
-    and batch i starts at row i mod `rows`, so that drift in clocks or load hits every row alike."""
+    and the first row moves on by one from batch to batch, across rounds too (batch b of round r starts at
+    row (r * batches + b) mod `rows`), so that drift in clocks or load hits every row alike."""
     return [
-        (round_index, batch, (batch + k) % rows)
+        (round_index, batch, (round_index * batches + batch + k) % rows)
         for round_index in range(rounds)
         for batch in range(batches)
         for k in range(rows)
@@ -140,15 +141,22 @@ def run_bench(
     eos: tuple[int, ...],
     rounds: int = 1,
     baseline: bool = False,
+    continuous: bool = False,
 ) -> list[BenchRow]:
     """One row per method (per budget for methods tuned by it), and HF generate's first with `baseline`, all
     on the same prompts and engine. The rows are interleaved per batch (`bench_schedule`), `rounds` times
     over: on a GPU one method's ms per step moved by 14% with what ran before it, and rows run one after
-    another would carry such drift into their ratios."""
-    runners = [engine_runner(engine, method, budget, max_new_tokens, eos) for method, budget in _runs(methods, budgets)]
+    another would carry such drift into their ratios.
+
+    `continuous`: our rows stream all the prompts through `batch_size` slots (`Engine.stream`, a request
+    joining as soon as a slot frees, as in the server) instead of static batches, where every batch steps
+    until its slowest request ends; HF generate, which has no such mode, keeps static batches."""
+    runs = _runs(methods, budgets)
+    runners = [engine_runner(engine, m, b, max_new_tokens, eos, batch_size if continuous else None) for m, b in runs]
     if baseline:  # warmed up last, so that HF compiles its forward after our graphs are captured
-        runners.append(hf_runner(engine.target, max_new_tokens, eos))
-    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+        runners.append(hf_runner(engine.target, max_new_tokens, eos, batch_size))
+    size = len(encoded) if continuous else batch_size
+    batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
     rows = run_rows(runners, batches, rounds, engine.target.device)
     return rows[-1:] + rows[:-1] if baseline else rows
 
@@ -161,44 +169,60 @@ def _runs(methods: list[str], budgets: list[int]) -> list[tuple[str, int | None]
 
 
 def engine_runner(
-    engine: Engine, method: str, budget: int | None, max_new_tokens: int, eos: tuple[int, ...]
+    engine: Engine,
+    method: str,
+    budget: int | None,
+    max_new_tokens: int,
+    eos: tuple[int, ...],
+    slots: int | None = None,
 ) -> RowRunner:
     """A row of our engine, on a copy of `engine` with a session cache of its own: the engine keeps a few
     sessions, and with rows interleaved a shared cache would drop a row's sessions (and their captured graphs)
-    between its batches. Its warm-up is the whole batch on CUDA, a short generate elsewhere."""
+    between its batches. Its warm-up is the whole batch on CUDA, a short run elsewhere. `slots`: each batch
+    is streamed through that many slots (`Engine.stream`); None: it is decoded as one batch."""
     engine = copy.copy(engine)
     engine.sessions = OrderedDict()
     config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
     short = replace(config, max_new_tokens=min(8, max_new_tokens))
     warm_config = config if engine.target.device.type == "cuda" else short
 
+    def run(batch: Prompts, run_config: GenerationConfig) -> GenerationResult:
+        return engine.generate(batch, run_config) if slots is None else engine.stream(batch, run_config, slots)
+
     def timed(batch: Prompts) -> BatchRun:
-        result = _run_batches(engine, batch, config, len(batch))[0]
+        _sync(engine.target.device)
+        result = run(batch, config)
+        _sync(engine.target.device)
         lengths = [a for o in result.outputs for a in o.acceptance_lengths]
         return [tuple(o.token_ids) for o in result.outputs], result.steps, result.seconds, lengths
 
-    return RowRunner(method, budget, lambda batch: engine.generate(batch, warm_config), timed)
+    return RowRunner(method, budget, lambda batch: run(batch, warm_config), timed)
 
 
-def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...]) -> RowRunner:
+def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...], batch_size: int | None = None) -> RowRunner:
     """HF transformers `generate` on the target: greedy, static cache (which it compiles on CUDA), prompts
-    left-padded per batch. New tokens count up to and including the first end-of-sequence token; a batch's
-    steps are its longest row's new tokens."""
+    left-padded per batch of `batch_size` (None: each batch it is given as one). New tokens count up to and
+    including the first end-of-sequence token; a batch's steps are its longest row's new tokens."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     model: Any = target.model
     pad = eos[0] if eos else 0
 
-    def generate(batch: Prompts) -> list[tuple[int, ...]]:
-        return _hf_batch(model, batch, max_new_tokens, eos, pad)
+    def chunks(batch: Prompts) -> list[Prompts]:
+        size = batch_size or len(batch)
+        return [batch[i : i + size] for i in range(0, len(batch), size)]
+
+    def generate(batch: Prompts) -> list[list[tuple[int, ...]]]:
+        return [_hf_batch(model, chunk, max_new_tokens, eos, pad) for chunk in chunks(batch)]
 
     def timed(batch: Prompts) -> BatchRun:
         _sync(target.device)
         started = time.perf_counter()
-        rows = generate(batch)
+        parts = generate(batch)
         _sync(target.device)
-        return rows, max(len(r) for r in rows), time.perf_counter() - started, []
+        steps = sum(max(len(r) for r in rows) for rows in parts)
+        return [r for rows in parts for r in rows], steps, time.perf_counter() - started, []
 
     return RowRunner(HF_BASELINE, None, generate, timed)
 

@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--baseline", choices=("hf",), action="append", default=[], help="add HF generate's row")
+    bench.add_argument(
+        "--continuous",
+        action="store_true",
+        help="our rows stream the prompts through --batch-size slots (continuous batching, as the server runs)",
+    )
     _device_args(bench, graphs=True)
     bench.add_argument("--json", dest="json_out", help="also write the rows to this JSON file")
     bench.add_argument(
@@ -247,11 +252,21 @@ def _bench(args: argparse.Namespace) -> int:
     engine = options.engine(target, drafter)
     rounds, baseline = args.rounds or 1, bool(args.baseline)
     rows = run_bench(
-        engine, encoded, args.budgets, args.max_new_tokens, args.batch_size, methods, eos, rounds, baseline
+        engine,
+        encoded,
+        args.budgets,
+        args.max_new_tokens,
+        args.batch_size,
+        methods,
+        eos,
+        rounds,
+        baseline,
+        args.continuous,
     )
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
+    batching = f"continuous batching in {args.batch_size} slots" if args.continuous else f"batch {args.batch_size}"
     print(
-        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, batch {args.batch_size}, "
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {batching}, "
         f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}, "
         f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}"
     )

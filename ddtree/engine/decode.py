@@ -1,4 +1,6 @@
-"""The embedded engine: `generate` decodes a batch of prompts on a `DecodeSession` until all are done.
+"""The embedded engine: `generate` decodes a batch of prompts on a `DecodeSession` until all are done;
+`stream` decodes any number of prompts through a fixed number of slots, each joining when one frees
+(continuous batching, as the server's requests do).
 
 The loop returns tokens; it never counts for telemetry. Observers see each stage through `StepObserver`.
 Sessions (and the CUDA graphs captured in them) are kept between calls with the same shape, so repeated
@@ -8,7 +10,7 @@ calls at one batch size pay for capture once.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,36 @@ class Engine:
         outputs = [session.leave(slot) for slot in slots]
         seconds = time.perf_counter() - started
         return GenerationResult(outputs=outputs, steps=steps, seconds=seconds)
+
+    def stream(
+        self, prompts: list[list[int]], config: GenerationConfig, slots: int, request_ids: list[str] | None = None
+    ) -> GenerationResult:
+        """Continuous batching: the prompts, in order, join a session of `slots` slots as slots free up between
+        steps. Outputs come in prompt order and equal `generate`'s (a slot's output never depends on the
+        others); request i samples with seed + i, as in `generate`."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        started = time.perf_counter()
+        session = self.session(config, slots, max(len(p) for p in prompts) + config.max_new_tokens)
+        ids = request_ids or [""] * len(prompts)
+        waiting = deque(enumerate(prompts))
+        held: dict[int, int] = {}  # slot -> index of the prompt it decodes
+        outputs: dict[int, RequestOutput] = {}
+        steps = 0
+        while waiting or held:
+            joining = [waiting.popleft() for _ in range(min(len(waiting), len(session.free_slots())))]
+            if joining:
+                requests = [_request(p, config, i, ids[i]) for i, p in joining]
+                held.update(zip(session.join(requests), (i for i, _ in joining), strict=True))
+            if session.has_active():
+                steps += any(session.step())
+            for slot in [s for s in held if session.output(s).finished]:
+                outputs[held.pop(slot)] = session.leave(slot)
+        steps += sum(any(emitted) for emitted in session.drain())
+        seconds = time.perf_counter() - started
+        return GenerationResult(outputs=[outputs[i] for i in range(len(prompts))], steps=steps, seconds=seconds)
 
     def session(self, config: GenerationConfig, slots: int, tokens: int) -> DecodeSession:
         """A free session for `slots` requests of up to `tokens` tokens each (prompt and new tokens)."""

@@ -107,7 +107,8 @@ def test_bench_schedule_runs_each_row_once_per_batch_and_rotates(batches: int, r
     groups = [runs[i : i + rows] for i in range(0, len(runs), rows)]
     assert [g[0][:2] for g in groups] == [(r, b) for r in range(rounds) for b in range(batches)], "batch by batch"
     assert all({run[:2] for run in g} == {g[0][:2]} for g in groups), "every row runs a batch before the next"
-    assert [g[0][2] for g in groups] == [b % rows for _ in range(rounds) for b in range(batches)], "rotation"
+    starts = [(r * batches + b) % rows for r in range(rounds) for b in range(batches)]
+    assert [g[0][2] for g in groups] == starts, "rotation, across rounds too"
 
 
 def _recording_runner(index: int, log: list[tuple[str, int, int]]) -> RowRunner:
@@ -197,3 +198,25 @@ def test_rounds_below_one_are_a_clear_error(tiny_dirs: tuple[Path, Path], capsys
     argv = ["bench", "--model", str(tiny_dirs[0]), "--drafter", str(tiny_dirs[1]), "--limit", "1"]
     assert main([*argv, "--rounds", "0"]) == 2
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_continuous_rows_emit_what_static_rows_emit_and_hf_keeps_its_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Continuous batching streams all prompts through `batch_size` slots: each prompt's tokens are the same
+    as in static batches; HF generate has no such mode and runs the same static batches either way."""
+    target, drafter = tiny_pair(3)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(9, 5, 32)
+    static = run_bench(engine, prompts, [4], 6, 2, ["ar", "ddtree"], (3,), baseline=True)
+    streams: list[tuple[int, int]] = []
+    real = Engine.stream
+
+    def spy(self: Engine, batch: list[list[int]], config: Any, slots: int) -> Any:
+        streams.append((len(batch), slots))
+        return real(self, batch, config, slots)
+
+    monkeypatch.setattr(Engine, "stream", spy)
+    streamed = run_bench(engine, prompts, [4], 6, 2, ["ar", "ddtree"], (3,), baseline=True, continuous=True)
+    assert streams and set(streams) == {(5, 2)}, "every prompt streamed through two slots"
+    assert [(r.method, r.token_ids) for r in streamed] == [(r.method, r.token_ids) for r in static]
+    assert streamed[0].steps == static[0].steps, "HF: the same batches of two"
+    assert all(len(r.token_ids) == 5 for r in streamed)

@@ -217,3 +217,29 @@ def test_an_unobserved_session_reads_back_the_tokens_alone() -> None:
         assert (launch.layout is not None) is probed
         width = launch.bag["out"].shape[1]
         assert width == (launch.layout.width if launch.layout is not None else 2 + path)
+
+
+@pytest.mark.parametrize(("method", "temperature", "depth"), [("ar", 0.0, 1), ("dflash", 0.7, 2), ("ddtree", 0.0, 2)])
+def test_stream_gives_each_prompt_what_generate_gives_it(method: str, temperature: float, depth: int) -> None:
+    """Seven prompts through two slots: requests join as slots free up, in prompt order, and each prompt's
+    output (sampled ones included: request i samples with seed + i) equals `generate`'s for the whole batch."""
+    target, drafter = tiny_pair(7, vocab=32, block_size=4)
+    engine = Engine(target, drafter, pipeline_depth=depth)
+    prompts = random_prompts(8, 7, vocab=32)
+    config = GenerationConfig(method=method, budget=8, temperature=temperature, seed=5, max_new_tokens=9)
+    eos_config = GenerationConfig(**{**config.__dict__, "eos_token_ids": (3, 11)})
+    for cfg in (config, eos_config):
+        together = engine.generate(prompts, cfg)
+        streamed = engine.stream(prompts, cfg, slots=2)
+        assert [o.token_ids for o in streamed.outputs] == [o.token_ids for o in together.outputs]
+        assert [o.acceptance_lengths for o in streamed.outputs] == [o.acceptance_lengths for o in together.outputs]
+        assert streamed.steps > together.steps, "two slots take more steps than seven"
+    assert {key[-1] for key in engine.sessions} == {2, 7}, "a session of two slots served the stream"
+
+
+def test_stream_errors_speak_of_values() -> None:
+    engine = Engine(*tiny_pair(7, vocab=32, block_size=4))
+    with pytest.raises(ValueError, match="slots must be >= 1, got 0"):
+        engine.stream([[1, 2]], GenerationConfig(), slots=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.stream([[1], []], GenerationConfig(), slots=2)
