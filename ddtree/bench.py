@@ -10,10 +10,8 @@ heat, what ran just before) hits every row alike instead of the rows run last.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -180,8 +178,7 @@ def engine_runner(
     sessions, and with rows interleaved a shared cache would drop a row's sessions (and their captured graphs)
     between its batches. Its warm-up is the whole batch on CUDA, a short run elsewhere. `slots`: each batch
     is streamed through that many slots (`Engine.stream`); None: it is decoded as one batch."""
-    engine = copy.copy(engine)
-    engine.sessions = OrderedDict()
+    engine = engine.sibling()
     config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
     short = replace(config, max_new_tokens=min(8, max_new_tokens))
     warm_config = config if engine.target.device.type == "cuda" else short

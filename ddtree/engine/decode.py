@@ -9,6 +9,7 @@ calls at one batch size pay for capture once.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -98,6 +99,13 @@ class Engine:
         outputs = [session.leave(slot) for slot in slots]
         seconds = time.perf_counter() - started
         return GenerationResult(outputs=outputs, steps=steps, seconds=seconds)
+
+    def sibling(self) -> Engine:
+        """An engine on the same models and settings with a session cache of its own, empty: for callers that
+        alternate between more session shapes than one engine keeps (`KEPT_SESSIONS`)."""
+        twin = copy.copy(self)
+        twin.sessions = OrderedDict()
+        return twin
 
     def stream(
         self, prompts: list[list[int]], config: GenerationConfig, slots: int, request_ids: list[str] | None = None
