@@ -186,13 +186,13 @@ class Collector:
                 record.marks.append(self.clock.mark())
             self.current = None
             self.boundary = None
-        if any(emitted) and self.handoff is not None:
-            self.handoff.post(self._finish, record, droppable=True)
-        elif any(emitted):
-            self.pending.append(record)
-        else:  # a step launched ahead while its requests finished: no request decoded in it
+        if not any(emitted):  # a step launched ahead while its requests finished: no request decoded in it
             self.clock.release(record.marks)
             self._release(record)
+        elif self.handoff is not None:
+            self.handoff.post(self._finish, record, droppable=True)
+        else:
+            self.pending.append(record)
 
     def on_generate_end(self, results: list[RequestResult]) -> None:
         """Requests leave. Their steps have all been read by the engine, so the wait for the marks still pending
