@@ -51,8 +51,9 @@ test: lint
 $(SGLANG_BIN)/ddtree-sglang-ready: pyproject.toml
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_BIN)/pip install --quiet --upgrade pip
-	$(SGLANG_BIN)/pip install --quiet sglang==0.5.23
-	$(SGLANG_BIN)/pip install --quiet -e . pytest
+	# No wheel cache: it would hold a second copy of those gigabytes.
+	$(SGLANG_BIN)/pip install --quiet --no-cache-dir sglang==0.5.23
+	$(SGLANG_BIN)/pip install --quiet --no-cache-dir -e . pytest
 	touch $@
 
 setup-sglang: $(SGLANG_BIN)/ddtree-sglang-ready
