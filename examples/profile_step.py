@@ -19,7 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.bench import heldout_prompts
-from ddtree.engine.session import DecodeSession, Request
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
 from ddtree.kernels.tree_build import triton_available
 from ddtree.models.default import default_drafter
 from ddtree.runtime import load_pair

@@ -41,7 +41,7 @@ class JoinClock:
             self.sizes.append(len(requests))
             return out
 
-        def timed_prefill(ids: list[int], requests: list[Any]) -> list[int]:
+        def timed_prefill(ids: list[int], requests: list[Any]) -> Any:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = prefill(ids, requests)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ddtree.engine.session import DecodeSession, Request
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
 from ddtree.kernels.tree_build import triton_available
 from ddtree.models.dflash import DFlashDrafter, drafter_config
 from ddtree.models.target import Target

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.session import DecodeSession, Request, RequestOutput, cache_tokens, round_up
+from ddtree.engine.requests import Request, RequestOutput, cache_tokens, round_up
+from ddtree.engine.session import DecodeSession
 from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter

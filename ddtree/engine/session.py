@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,19 @@ import torch
 from ddtree.engine.graphs import Bag, GraphCache, Stage, StepRunner
 from ddtree.engine.probe import ProbeLayout, readout, split_rows
 from ddtree.engine.proposers import make_proposer
-from ddtree.engine.readback import Readback, to_device, to_host
+from ddtree.engine.readback import Readback, to_device
+from ddtree.engine.requests import (
+    FirstTokens,
+    Request,
+    RequestOutput,
+    Slot,
+    cache_tokens,
+    check_request,
+    decoding,
+    emit,
+    round_up,
+    row_bucket,
+)
 from ddtree.kernels.clock import stamps_available
 from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.kv_cache import KVCache
@@ -41,31 +53,12 @@ SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple 
 PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    request_id: str = ""  # what telemetry calls it; empty: the session makes one up
-    trace_parent: str | None = None  # a W3C `traceparent` for the request's span
-
-
-@dataclass
-class RequestOutput:
-    token_ids: list[int] = field(default_factory=list)  # generated tokens only
-    acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
-
-
 @dataclass
 class _Launch:
     """A step whose tokens have not been read yet."""
 
     step: int
-    entries: list[_Slot | None]  # the slots' occupants when it was launched
+    entries: list[Slot | None]  # the slots' occupants when it was launched
     bag: Bag
     ticket: Any  # from `Readback.start`
     layout: ProbeLayout | None  # where the probe sits in the rows read back; None: no probe
@@ -85,13 +78,6 @@ class _Rows:
     draw: torch.Tensor  # [n]
     cache: KVCache
     draft_cache: KVCache | None
-
-
-@dataclass
-class _Slot:
-    request: Request
-    output: RequestOutput
-    length: int  # committed tokens in the caches
 
 
 class DecodeSession:
@@ -140,7 +126,7 @@ class DecodeSession:
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)  # [slots]
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
         self.draw = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] sampling draws so far
-        self.slots: list[_Slot | None] = [None] * slots
+        self.slots: list[Slot | None] = [None] * slots
         self.steps = 0
         self._prefills = GraphCache(cuda_graphs)
         # Fixed for the session's life (graphs are captured with it, `warm_up` included): with an observer every
@@ -184,12 +170,13 @@ class DecodeSession:
         return [i for i, s in enumerate(self.slots) if s is None]
 
     def has_active(self) -> bool:
-        return any(s is not None and not s.output.finished for s in self.slots)
+        return any(decoding(s) for s in self.slots)
 
     def output(self, slot: int) -> RequestOutput:
+        """The tokens read so far: a request that has just joined has none until the next step's are read."""
         return self._entry(slot).output
 
-    def _entry(self, slot: int) -> _Slot:
+    def _entry(self, slot: int) -> Slot:
         entry = self.slots[slot]
         if entry is None:
             raise ValueError(f"slot {slot} is free")
@@ -199,19 +186,23 @@ class DecodeSession:
 
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[int]:
-        """Prefill `requests` into free slots (lowest first) and return their slot indices."""
+        """Prefill `requests` into free slots (lowest first) and return their slot indices. A pipelined session
+        reads nothing back here: each request's first token (the prefill's) reaches its output with the tokens
+        of the first step launched after the join, or at `leave`, so a join never drains the steps in flight.
+        Without pipelining nothing is in flight, and the first tokens are read at once."""
         free = self.free_slots()
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests but only {len(free)} free slots")
         for r in requests:
-            _check_request(r, self.tokens_needed(len(r.prompt), r.max_new_tokens), self.capacity)
+            check_request(r, self.tokens_needed(len(r.prompt), r.max_new_tokens), self.capacity)
         ids = free[: len(requests)]
         if self.observer is not NOOP:
             requests = [r if r.request_id else replace(r, request_id=uuid.uuid4().hex) for r in requests]
         first = self._prefill(ids, requests)
-        for slot, request, token in zip(ids, requests, first, strict=True):
-            entry = _Slot(request, RequestOutput(), len(request.prompt))
-            _emit(entry, [token])
+        for i, (slot, request) in enumerate(zip(ids, requests, strict=True)):
+            entry = Slot(request, RequestOutput(), len(request.prompt), (first, i))
+            if self.pipeline_depth == 1:
+                entry.take_first()
             self.slots[slot] = entry
             if self.observer is not NOOP:
                 self.observer.on_generate_start(self._info(request, slot))
@@ -247,6 +238,7 @@ class DecodeSession:
         """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
         request that leaves before it finished (a stop string matched, the client went away)."""
         entry = self._entry(slot)
+        entry.take_first()
         self.slots[slot] = None
         self._refresh_active()
         if self.observer is not NOOP:
@@ -271,8 +263,8 @@ class DecodeSession:
             trace_parents=[request.trace_parent],
         )
 
-    def _prefill(self, ids: list[int], requests: list[Request]) -> list[int]:
-        """Run the prompts into their slots' rows; return each request's first token (one host read). On CUDA
+    def _prefill(self, ids: list[int], requests: list[Request]) -> FirstTokens:
+        """Run the prompts into their slots' rows; return their first tokens, on their way to the host. On CUDA
         the prompts are padded to a multiple of `PREFILL_BUCKET` and the prefill replays a graph per shape."""
         device = self.target.device
         width = max(len(r.prompt) for r in requests)
@@ -287,7 +279,8 @@ class DecodeSession:
         }
         sampled = any(r.temperature > 0 for r in requests)
         bag = self._prefills.run((len(requests), width, sampled), self._prefill_stage(sampled), inputs)
-        return [int(t) for t in to_host(bag["first"])]
+        reader = Readback(device, 1)
+        return FirstTokens(reader.start(bag["first"]), reader.wait)
 
     def _prefill_stage(self, sampled: bool) -> Stage:
         def run(bag: Bag) -> None:
@@ -322,7 +315,7 @@ class DecodeSession:
         return run
 
     def _refresh_active(self) -> None:
-        flags = [s is not None and not s.output.finished for s in self.slots]
+        flags = [decoding(s) for s in self.slots]
         self.active.copy_(to_device(flags, self.target.device))
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -352,7 +345,7 @@ class DecodeSession:
         span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
         if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
-        rows = self._rows(_row_bucket(self.slots, self.num_slots))
+        rows = self._rows(row_bucket(self.slots, self.num_slots))
         self.observer.on_step_start(self.steps, rows.n)
         bag = self.runner.run((rows.n, span, sampled), {"span": span, "sampled": sampled, "rows": rows})
         ticket = self._readback.start(bag["out"])
@@ -433,67 +426,25 @@ class DecodeSession:
         """What the host reads back (after the last stage and its stamp): the tokens, and the probe if observed."""
         bag["out"], bag["layout"] = readout(bag["result"], bag["tree"] if self.probed else None, bag.get("stamps"))
 
-    def _commit(self, host: list[list[int]], launched_with: list[_Slot | None]) -> list[int]:
-        """Give each slot that decoded in this step and still does its accepted drafts and bonus; return how
-        many tokens each of the step's rows (the first slots) kept."""
+    def _commit(self, host: list[list[int]], launched_with: list[Slot | None]) -> list[int]:
+        """Give each slot that decoded in this step and still does its accepted drafts and bonus, after its
+        prefill's token if that was still unread; return how many tokens each of the step's rows (the first
+        slots) kept."""
         emitted = [0] * len(host)
         finished_now = False
         for i, (entry, row) in enumerate(zip(self.slots, host, strict=False)):
             if entry is None or entry is not launched_with[i] or entry.output.finished:
                 continue
             n = row[0]
+            entry.length += n + 1  # what the device committed
+            if entry.take_first():  # the prefill's token ended the request: this step's tokens are not kept
+                finished_now = True
+                continue
             entry.output.acceptance_lengths.append(n + 1)
-            entry.length += n + 1
             before = len(entry.output.token_ids)
-            _emit(entry, [*row[2 : 2 + n], row[-1]])
+            emit(entry, [*row[2 : 2 + n], row[-1]])
             emitted[i] = len(entry.output.token_ids) - before
             finished_now |= entry.output.finished
         if finished_now:
             self._refresh_active()
         return emitted
-
-
-def _row_bucket(slots: list[_Slot | None], num_slots: int) -> int:
-    """How many of the first slots a step runs: a power of two past the last slot still decoding (joins take
-    the lowest free slots), so few shapes cover every occupancy."""
-    last = max((i for i, s in enumerate(slots) if s is not None and not s.output.finished), default=0)
-    return min(num_slots, 1 << last.bit_length())
-
-
-def round_up(n: int, bucket: int) -> int:
-    """`n` rounded up to a multiple of `bucket`: the few shapes that graphs and compiled regions are made for."""
-    return -(-n // bucket) * bucket
-
-
-def cache_tokens(tokens: int, width: int, block: int) -> int:
-    """Cache capacity for a request of `tokens` tokens (prompt and new). The last step may commit up to a
-    tree's depth past the limit, a step in flight one more, and a finished slot still writes one tree of
-    `width` scratch rows."""
-    return tokens + 3 * width + block
-
-
-def _check_request(request: Request, needed: int, capacity: int) -> None:
-    if not request.prompt:
-        raise ValueError("every prompt needs at least one token")
-    if request.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-    if request.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {request.temperature}")
-    if needed > capacity:
-        raise ValueError(
-            f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"
-        )
-
-
-def _emit(entry: _Slot, tokens: list[int]) -> None:
-    """Append tokens up to the request's limit or its first end-of-sequence token."""
-    out, limit, eos = entry.output, entry.request.max_new_tokens, entry.request.eos_token_ids
-    for token in tokens:
-        if len(out.token_ids) >= limit:
-            break
-        out.token_ids.append(token)
-        if token in eos:
-            out.finished, out.finish_reason = True, "stop"
-            return
-    if len(out.token_ids) >= limit:
-        out.finished, out.finish_reason = True, "length"

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ddtree.engine.session import Request as DecodeRequest
+from ddtree.engine.requests import Request as DecodeRequest
 from ddtree.server.errors import ApiError, api_error_response, validation_error
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ddtree.engine.session import Request
+from ddtree.engine.requests import Request
 from ddtree.server.text import TextStream
 from ddtree.server.worker import DecodeWorker, Job, Update
 
@@ -58,7 +58,8 @@ class Generation:
         self._worker.submit(self.job)
 
     async def started(self) -> None:
-        """Wait for the first update, the prefill's token (GenerationFailed, ClientGone)."""
+        """Wait for the first update, the prefill's token (GenerationFailed, ClientGone). A pipelined session
+        reads it with the first step after the join."""
         self._pending = await self._next_update()
 
     async def next_text(self) -> str | None:

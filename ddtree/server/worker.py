@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddtree.engine.session import DecodeSession, Request
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class DecodeWorker:
             return
         with self._cond:
             self._running.update({slot: _Running(job) for slot, job in zip(slots, jobs, strict=True)})
-        self._publish()  # the prefill's first tokens; a request may already be done
+        self._publish()  # the prefill's first tokens where the session read them at once (not pipelined)
 
     def _step(self) -> None:
         try:

@@ -184,7 +184,8 @@ def test_records_reach_the_sinks_in_groups_and_all_by_the_end(with_verify: bool)
 def test_requests_that_join_and_leave_a_session_are_logged_by_slot() -> None:
     """Continuous batching: each step's log lists the requests that decoded in it, whatever slot they hold,
     and each request's line and span come when it leaves, with the trace parent its client sent."""
-    from ddtree.engine.session import DecodeSession, Request
+    from ddtree.engine.requests import Request
+    from ddtree.engine.session import DecodeSession
 
     target, drafter = tiny_pair(4, vocab=16, block_size=4)
     captured = captured_telemetry()

@@ -119,7 +119,8 @@ def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     span at the cache's capacity, as CUDA's buckets make it) and a clock that ticks 700 ns a stamp: after the
     eager first step, steps get no stage hooks, their stage times are the stamps', their trees come from the
     probe, the tokens are those of an unobserved session, and no hook reads the device."""
-    from ddtree.engine.session import DecodeSession, Request
+    from ddtree.engine.requests import Request
+    from ddtree.engine.session import DecodeSession
     from tests.helpers import tiny_pair
     from tests.telemetry.helpers import captured_telemetry
     from tests.telemetry.sync_guard import GuardedObserver, SyncGuard

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from ddtree.engine.decode import Engine, GenerationConfig
-from ddtree.engine.session import DecodeSession, Request
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
 from telemetry.hooks import NoopObserver
 from tests.helpers import random_prompts, tiny_pair
 
@@ -243,3 +244,50 @@ def test_stream_errors_speak_of_values() -> None:
         engine.stream([[1, 2]], GenerationConfig(), slots=0)
     with pytest.raises(ValueError, match="at least one token"):
         engine.stream([[1], []], GenerationConfig(), slots=2)
+
+
+def test_a_join_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A join launches its prefill and returns: the first token is read with the next step's tokens (a
+    blocking read there would drain the steps in flight at every join), or at `leave`."""
+    from ddtree.engine.readback import Readback
+
+    target, drafter = tiny_pair(13, vocab=24, block_size=4)
+    engine = Engine(target, drafter)
+    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=2, capacity=96, pipeline_depth=2)
+    reads: list[str] = []
+    for name in ("wait", "wait_array"):
+        original = getattr(Readback, name)
+
+        def counted(self: Readback, ticket: Any, _original: Any = original, _name: str = name) -> Any:
+            reads.append(_name)
+            return _original(self, ticket)
+
+        monkeypatch.setattr(Readback, name, counted)
+    slot = session.join([Request([1, 2, 3], 10)])[0]
+    assert reads == [] and session.output(slot).token_ids == []
+    session.step()
+    alone = _alone(engine, [1, 2, 3], "ddtree", 10, 0.0, 0)
+    got = session.output(slot).token_ids
+    assert got and got == alone[: len(got)], "the prefill's token, then the step's, as alone"
+    other = session.join([Request([4, 5], 6)])[0]
+    assert session.leave(other).token_ids == _alone(engine, [4, 5], "ddtree", 6, 0.0, 0)[:1], "read at leave"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_request_that_its_prefill_token_ends_keeps_that_token_alone(depth: int) -> None:
+    """One new token, or a first token that is end-of-sequence: the request decodes in the steps launched
+    before that token is read, but keeps only it, as `generate` does, and its neighbour is undisturbed."""
+    target, drafter = tiny_pair(14, vocab=24, block_size=4)
+    engine = Engine(target, drafter, pipeline_depth=depth)
+    prompt, other = [2, 7, 1], [5, 5, 9, 3]
+    first = _alone(engine, prompt, "ddtree", 1, 0.0, 0)[0]
+    for request in (Request(prompt, 1), Request(prompt, 12, eos_token_ids=(first,))):
+        session = DecodeSession(target, drafter, "ddtree", 8, None, 2, 96, pipeline_depth=depth)
+        short, long = session.join([request, Request(other, 12)])
+        while session.has_active():
+            session.step()
+        session.drain()
+        out = session.leave(short)
+        assert out.token_ids == [first] and out.acceptance_lengths == [] and out.finished
+        assert out.finish_reason == ("length" if request.max_new_tokens == 1 else "stop")
+        assert session.leave(long).token_ids == _alone(engine, other, "ddtree", 12, 0.0, 0)

@@ -4,7 +4,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from ddtree.engine.decode import Engine, GenerationConfig
-from ddtree.engine.session import DecodeSession, Request
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
 from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
 from tests.helpers import random_prompts, tiny_pair

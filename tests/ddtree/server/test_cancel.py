@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from ddtree.engine.session import Request
+from ddtree.engine.requests import Request
 from ddtree.server.app import ServerState, create_app
 from ddtree.server.model import ServedModel
 from ddtree.server.worker import DecodeWorker, Job, Update
