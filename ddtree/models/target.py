@@ -26,7 +26,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class TargetOutput:
-    logits: torch.Tensor  # [batch, n, vocab] float32
+    logits: torch.Tensor  # [batch, n, vocab] in the target's dtype
     features: torch.Tensor | None  # [batch, n, len(feature_layers) * hidden]: drafter context features
 
 
@@ -71,9 +71,11 @@ class Target:
         return out
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states -> float32 logits."""
+        """Final-normed hidden states -> logits in the target's dtype. Not cast to float32 here: argmax and
+        the fused tree build read 16-bit logits as they are (the same values, half the bytes, no copy), and
+        what needs float32 math (sampling, `log_softmax`) casts where it computes."""
         out: torch.Tensor = self.lm_head(hidden)
-        return out.float()
+        return out
 
     def forward(
         self,

@@ -135,3 +135,14 @@ def test_counter_uniform_is_seeded_and_in_range() -> None:
     assert torch.equal(u, again)
     next_draw = counter_uniform(torch.arange(2000), torch.ones(2000, dtype=torch.long), 8)
     assert float((u == next_draw).float().mean()) < 0.01
+
+
+def test_greedy_choice_reads_16_bit_logits_as_their_float32_values() -> None:
+    """The target's head returns logits in its own dtype: argmax over bfloat16 logits, which tie often, picks
+    the token that argmax over the same values in float32 picks, and sampling casts before its softmax."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randint(-6, 6, (3, 5, 40), generator=gen).float() / 4).to(torch.bfloat16)  # many ties
+    temperature, seed, draw = torch.tensor([0.0, 0.7, 1.3]), torch.tensor([1, 2, 3]), torch.tensor([0, 4, 9])
+    for sampled in (False, True):
+        half = choose_tokens(logits, temperature, seed, draw, sampled)
+        assert torch.equal(half, choose_tokens(logits.float(), temperature, seed, draw, sampled)), sampled

@@ -21,6 +21,15 @@ def test_our_ar_equals_hf_generate() -> None:
         assert out.token_ids == ref[0, len(prompt) :].tolist()
 
 
+def test_the_head_keeps_the_targets_dtype() -> None:
+    """Logits come out in the target's dtype (no float32 copy of a [batch, nodes, vocab] tensor per step)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        target, _ = tiny_pair(2, vocab=24, dtype=dtype)
+        hidden = torch.randn(2, 3, target.hidden_size, dtype=dtype)
+        logits = target.head(hidden)
+        assert logits.dtype == dtype and logits.shape == (2, 3, 24)
+
+
 def test_compiled_layers_decode_the_same_tokens() -> None:
     """The regions that `compile_layers` fuses, in the target and the drafter, compute what the eager layers
     compute (inductor on CPU here; the GPU checks compare graphed and compiled decoding with eager `ar`)."""
