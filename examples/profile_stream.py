@@ -6,6 +6,7 @@ busy time. What is neither steps' nor prefills' GPU time is the device waiting f
     python examples/profile_stream.py TARGET_DIR SLOTS [PROMPTS] [METHOD:BUDGET ...]
 
 PROMPTS: how many held-out prompts (repeated past 64); default: four per slot. Default rows: ar, ddtree:16.
+Without CUDA it runs on the CPU in float32 (a dry run: no GPU times, 16 new tokens).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class JoinClock:
             return out
 
         def timed_prefill(ids: list[int], requests: list[Any]) -> Any:
+            if not torch.cuda.is_available():
+                return prefill(ids, requests)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = prefill(ids, requests)
@@ -53,7 +56,7 @@ class JoinClock:
         session._prefill = timed_prefill  # type: ignore[method-assign]
 
     def prefill_gpu_s(self) -> float:
-        torch.cuda.synchronize()
+        _sync()
         return sum(s.elapsed_time(e) for s, e in self.events) / 1000
 
 
@@ -70,18 +73,23 @@ def gpu_busy_s(prof: Any) -> float:
     return busy / 1e6
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def row(engine: Engine, prompts: list[list[int]], slots: int, config: GenerationConfig) -> dict[str, Any]:
     engine.stream(prompts, config, slots)  # warm-up: every shape this run meets is captured here
     session = engine.session(config, slots, max(len(p) for p in prompts) + config.max_new_tokens)
     clock = JoinClock(session)
-    torch.cuda.synchronize()
+    _sync()
     result = engine.stream(prompts, config, slots)
-    torch.cuda.synchronize()
+    _sync()
     prefill_gpu = clock.prefill_gpu_s()
     del session.join, session._prefill  # back to the methods
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         profiled = engine.stream(prompts, config, slots)
-        torch.cuda.synchronize()
+        _sync()
     busy = gpu_busy_s(prof)
     return {
         "row": f"{config.method}:{config.budget}",
@@ -98,7 +106,10 @@ def row(engine: Engine, prompts: list[list[int]], slots: int, config: Generation
 
 
 def main(target_dir: str, slots: str, count: str = "", *rows: str) -> None:
-    target, drafter, tokenizer = load_pair(target_dir, str(default_drafter()), "cuda", "bfloat16")
+    cuda = torch.cuda.is_available()
+    target, drafter, tokenizer = load_pair(
+        target_dir, str(default_drafter()), "cuda" if cuda else "cpu", "bfloat16" if cuda else "float32"
+    )
     engine = Engine(target, drafter)
     n = int(count or 4 * int(slots))
     texts = heldout_prompts()
@@ -106,7 +117,8 @@ def main(target_dir: str, slots: str, count: str = "", *rows: str) -> None:
     eos = eos_ids(tokenizer, target)
     for spec in rows or ("ar:1", "ddtree:16"):
         method, budget = spec.split(":")
-        config = GenerationConfig(method=method, budget=int(budget), max_new_tokens=128, eos_token_ids=eos)
+        new = 128 if cuda else 16
+        config = GenerationConfig(method=method, budget=int(budget), max_new_tokens=new, eos_token_ids=eos)
         r = row(engine.sibling(), prompts, int(slots), config)
         step_s = r["wall_s"] - r["join_host_s"]
         print(
