@@ -9,9 +9,10 @@ allclose), `tie_equiv` (not exact, but the fused tree is a valid tree of equally
 log-probs, parents before children, each node's log-prob = its parent's + its token's), and `bad` (anything
 else: a real bug). It also counts rows whose vocab top-k ids differ from torch's (`topk_id_rows`). Part 2 times
 both paths with triton.testing.do_bench (median) and as CUDA graph replays. Each variant catches and prints its
-own exception, so one failure does not hide the rest. Part 1 runs twice: with the module's knobs, then with
-every threshold search at 4 bits a round (`RADIX_KNOBS`). `--knobs` also times the tuning knobs of
-`ddtree.kernels.tree_build` (vocab chunk, bitonic selection, radix bits of each kernel's threshold search).
+own exception, so one failure does not hide the rest. Part 1 runs three times: with the module's knobs, with
+every threshold search at 4 bits a round (`RADIX_KNOBS`), and with the vocab stage as the row kernel
+(`_VOCAB_ROWS`). `--knobs` also times the tuning knobs of `ddtree.kernels.tree_build` (vocab chunk, bitonic
+selection, radix bits of each kernel's threshold search, the row kernel).
 """
 
 from __future__ import annotations
@@ -175,9 +176,10 @@ def time_knobs() -> list[dict[str, Any]]:
     labelled with the knobs it sets: the vocab stage (batch 32) by chunk, bitonic merge and the radix bits of the
     partial and merge searches; the beam (batch 1 and 32, budgets 32 to 256) by bitonic selection and radix bits."""
     rows: list[dict[str, Any]] = []
-    names = ("_CHUNK", "_BITONIC_MERGE", "_RADIX_BITS_VOCAB", "_RADIX_BITS_MERGE")
-    vocab_variants = [(4096, False, 1, 1), (4096, True, 1, 1), (2048, False, 1, 1), (8192, False, 1, 1)]
-    vocab_variants += [(4096, False, 4, 1), (4096, False, 1, 4), (4096, False, 4, 4)]
+    names = ("_CHUNK", "_BITONIC_MERGE", "_RADIX_BITS_VOCAB", "_RADIX_BITS_MERGE", "_VOCAB_ROWS")
+    vocab_variants = [(4096, False, 1, 1, False), (4096, True, 1, 1, False), (2048, False, 1, 1, False)]
+    vocab_variants += [(8192, False, 1, 1, False), (4096, False, 4, 1, False), (4096, False, 1, 4, False)]
+    vocab_variants += [(4096, False, 4, 4, False), (4096, False, 1, 1, True), (4096, False, 1, 4, True)]
     for dtype in ("float32", "bfloat16"):
         logits = (torch.randn((32, 15, 49152), device="cuda") * 3).to(getattr(torch, dtype))
         for k in (32, 256):
@@ -226,8 +228,8 @@ def main() -> int:
         return profile_goal()
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}")
     results: dict[str, Any] = {"exactness": [], "timing": []}
-    for radix in (None, 4):  # the module's knobs, then every threshold search at 4 bits a round
-        settings = {} if radix is None else dict.fromkeys(RADIX_KNOBS, radix)
+    runs: list[dict[str, Any]] = [{}, dict.fromkeys(RADIX_KNOBS, 4), {"_VOCAB_ROWS": True}]
+    for settings in runs:  # the module's knobs, every threshold search at 4 bits a round, the row kernel
         print(f"== exactness: fused vs torch, fresh random logits per trial; knobs {settings or 'as set'}")
         for shape in SHAPES[:3] if args.quick else SHAPES:
             try:
@@ -237,7 +239,7 @@ def main() -> int:
                 traceback.print_exc()
                 counts = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  {shape}: {counts}")
-            results["exactness"].append({"shape": list(shape), "radix": radix, **counts})
+            results["exactness"].append({"shape": list(shape), "knobs": settings, **counts})
     print("== timing (microseconds; depth 15, vocab 49152)")
     variants = [(b, B, dt) for dt in ("float32", "bfloat16") for B in (32, 256) for b in (1, 32)]
     for batch, budget, dtype in variants[:2] if args.quick else variants:

@@ -302,3 +302,124 @@ def beam_tree_kernel(
     tl.store(depths_ptr + root, 0)
     tl.store(log_probs_ptr + root, 0.0)
     tl.store(num_nodes_ptr + b, tl.sum(real.to(tl.int64), 0))
+
+
+@_jit
+def _row_count(base: tl.tensor, vocab: tl.tensor, t: tl.tensor, TILE: tl.constexpr) -> tl.tensor:
+    """How many logits of the row at `base` have ukey >= t (one pass over the row)."""
+    r = tl.arange(0, TILE)
+    count = tl.zeros((), dtype=tl.int32)
+    for start in range(0, vocab, TILE):
+        idx = start + r
+        x = tl.load(base + idx, mask=idx < vocab, other=0.0).to(tl.float32)
+        count += tl.sum(((idx < vocab) & (_ordered_key(x) >= t)).to(tl.int32), 0)
+    return count
+
+
+@_jit
+def _row_kth_largest(
+    base: tl.tensor, vocab: tl.tensor, k: tl.tensor, TILE: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
+    """`_kth_largest` over a whole row, a pass over it per bit (the slow path, for rows the floor leaves too many
+    candidates in): t and count(ukey >= t) >= k."""
+    t = tl.zeros((), dtype=tl.uint32)
+    count = vocab.to(tl.int32)
+    bit = tl.full((), 31, tl.int32)
+    while (bit >= 0) & (count != k):
+        cand = t | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
+        c = _row_count(base, vocab, cand, TILE)
+        t = tl.where(c >= k, cand, t)
+        count = tl.where(c >= k, c, count)
+        bit -= 1
+    return t, count
+
+
+@_jit
+def _compact_row(
+    base: tl.tensor,
+    vocab: tl.tensor,
+    t: tl.tensor,
+    ties: tl.tensor,
+    dst: tl.tensor,
+    CAP: tl.constexpr,
+    TILE: tl.constexpr,
+) -> tl.tensor:
+    """Store packed (key, id) of the row's logits with ukey > t, and of the first `ties` with ukey == t, to
+    dst[0:CAP] in vocab id order; returns how many were selected (stores past CAP are dropped)."""
+    r = tl.arange(0, TILE)
+    total = tl.zeros((), dtype=tl.int32)
+    equal = tl.zeros((), dtype=tl.int32)  # ukey == t seen so far
+    for start in range(0, vocab, TILE):
+        idx = start + r
+        inside = idx < vocab
+        x = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32)
+        ukey = _ordered_key(x)
+        eq = inside & (ukey == t)
+        sel = (inside & (ukey > t)) | (eq & (equal + tl.cumsum(eq.to(tl.int32), 0) <= ties))
+        pos = total + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(dst + pos, _pack(ukey, idx), mask=sel & (pos < CAP))
+        total += tl.sum(sel.to(tl.int32), 0)
+        equal += tl.sum(eq.to(tl.int32), 0)
+    return total
+
+
+@_jit
+def vocab_row_kernel(
+    logits_ptr: tl.tensor,  # [rows, vocab] float32/bfloat16/float16
+    maxima_ptr: tl.tensor,  # [rows, S_PAD] float32 scratch: the max of each stretch of GROUP logits
+    cand_ptr: tl.tensor,  # [rows, CAP] int64 scratch: packed (logit, vocab id) of the candidates, id order
+    scratch_ptr: tl.tensor,  # [rows, K_PAD] int64 scratch
+    top_lp_ptr: tl.tensor,  # [rows, k] float32 out
+    top_ids_ptr: tl.tensor,  # [rows, k] int64 out
+    vocab: tl.tensor,
+    k: tl.tensor,
+    TILE: tl.constexpr,
+    GROUP: tl.constexpr,
+    S_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    ACCURATE: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+) -> None:
+    """One program per row, two passes over it: an online logsumexp and the maxima of GROUP-logit stretches;
+    then every logit at or above the k-th largest stretch maximum (a floor under the row's k-th largest logit:
+    k stretches reach it) is a candidate, and the top k of the candidates by (log-prob, -vocab id) are kept.
+    A row with more than CAP candidates (near-flat logits) finds its exact k-th largest logit instead."""
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * vocab
+    r = tl.arange(0, TILE)
+    g = tl.arange(0, TILE // GROUP)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), dtype=tl.float32)
+    for start in range(0, vocab, TILE):
+        idx = start + r
+        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * _exp(m - m_safe, ACCURATE) + tl.sum(_exp(x - m_safe, ACCURATE), 0)
+        m = m_new
+        stretch = start // GROUP + g
+        tl.store(
+            maxima_ptr + row * S_PAD + stretch, tl.max(tl.reshape(x, (TILE // GROUP, GROUP)), 1), mask=stretch < S_PAD
+        )
+    tl.debug_barrier()
+    sp = tl.arange(0, S_PAD)
+    real = sp < (vocab + GROUP - 1) // GROUP
+    maxima = tl.load(maxima_ptr + row * S_PAD + sp, mask=real, other=float("-inf"))
+    floor, _ = _kth_largest(tl.where(real, _ordered_key(maxima), 0), k, 31)
+    dst = cand_ptr + row.to(tl.int64) * CAP
+    total = _compact_row(base, vocab, floor, vocab, dst, CAP, TILE)
+    if total > CAP:
+        t, _ = _row_kth_largest(base, vocab, k, TILE)
+        above = _row_count(base, vocab, t + 1, TILE)  # ukey > t; the first (k - above) ties at t join them
+        total = _compact_row(base, vocab, t, k - above, dst, CAP, TILE)
+    tl.debug_barrier()
+    c = tl.arange(0, CAP)
+    ok = c < total
+    packed = tl.load(dst + c, mask=ok, other=0)
+    ids = _unpack_pos(packed)
+    lp = (_unpack_value(packed) - m) - _log(s, ACCURATE)  # torch's CUDA log_softmax: (x - max) - log(sum)
+    top = _top_sorted(tl.where(ok, _ordered_key(lp), 0), ids, k, scratch_ptr + row * K_PAD, K_PAD, False, RADIX_BITS)
+    out = tl.arange(0, K_PAD)
+    tl.store(top_lp_ptr + row * k + out, _unpack_value(top), mask=out < k)
+    tl.store(top_ids_ptr + row * k + out, _unpack_pos(top).to(tl.int64), mask=out < k)

@@ -19,6 +19,14 @@ of a depth all beat them), it runs:
    65k at budget 256). A threshold search keeps the best `budget`, a bitonic sort of those orders the new level.
    Then the global top `budget` over all levels (same selection), node numbering and parent lookup.
 
+Steps 1 and 2 have an alternative, `vocab_row_kernel` (`_VOCAB_ROWS`), one program per row that reads it
+twice: first the online logsumexp and the maximum of every stretch of `_ROW_GROUP` logits; the k-th largest of
+those maxima is a floor under the row's k-th largest logit (k stretches reach it), so the logits at or above it
+(1.5 to 2.5 times k on the default drafter's rows at k = 16 to 256, at most 793 for k = 256; 1.2 times k on
+random rows) are the only candidates, compacted in vocab id order and selected as in step 2. A row with more
+than `_ROW_CAP` candidates (near-flat logits) finds its exact k-th largest logit by a bitwise search over the
+whole row instead. The same top k, with the threshold search over a few hundred candidates, not the vocabulary.
+
 Steps 2 and 3 select as step 1 does, then sort the survivors (`_BITONIC_MERGE` / `_BITONIC_BEAM` switch them to
 one tl.topk over all candidates instead). `_RADIX_BITS_VOCAB` / `_MERGE` / `_BEAM` set the bits each round of a
 threshold search decides: 1, the binary search; 4, a radix search counting 16 thresholds in one reduction, 8
@@ -68,6 +76,13 @@ _RADIX_BITS_MERGE = 1
 _RADIX_BITS_BEAM: int | None = None
 _RADIX_BEAM_MAX_BUDGET = 64  # the beam's radix search up to this (padded) budget, the binary one beyond
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
+# The vocab stage as one program per row (`vocab_row_kernel`: two passes over the row, a floor from the maxima
+# of stretches of _ROW_GROUP logits, candidates at or above it) instead of the partial and merge kernels. Not
+# timed on a GPU yet, so off; `examples/tree_build_device.py --knobs` times both.
+_VOCAB_ROWS = False
+_ROW_TILE = 2048  # logits a loop step of the row kernel loads
+_ROW_GROUP = 64  # logits per stretch whose maximum samples the floor
+_ROW_CAP = 2048  # candidates a row holds at most (at least 4 * K_PAD); past it the row takes the exact slow path
 
 
 def triton_available() -> bool:
@@ -147,6 +162,8 @@ def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     """
     batch, depth, vocab = draft_logits.shape
     logits = draft_logits.contiguous()  # [batch, depth, vocab]
+    if _VOCAB_ROWS:
+        return _vocab_topk_rows(logits, k)
     device = logits.device
     rows, k_pad = batch * depth, _pow2(k)
     chunk, n_split = _chunk_plan(vocab, k_pad)
@@ -166,6 +183,36 @@ def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         part_key, part_max, part_sum, scratch, top_lp, top_ids, vocab, k, n_split,
         S_PAD=_pow2(n_split), K_PAD=k_pad, ACCURATE=accurate, BITONIC=_BITONIC_MERGE,
         RADIX_BITS=_RADIX_BITS_MERGE, num_warps=_warps(_pow2(n_split) * k_pad),
+    )  # fmt: skip
+    return top_lp, top_ids
+
+
+def _row_plan(vocab: int, k_pad: int) -> tuple[int, int, int, int]:
+    """(TILE, GROUP, S_PAD, CAP) of the row kernel: at least k_pad stretches (so the floor exists), at most
+    MAX_BLOCK of them and of the candidates."""
+    group = min(_ROW_GROUP, _pow2(vocab))
+    while group > 1 and -(-vocab // group) < k_pad:
+        group //= 2
+    while _pow2(-(-vocab // group)) > MAX_BLOCK:
+        group *= 2
+    tile = max(_ROW_TILE, group)
+    return tile, group, _pow2(-(-vocab // group)), min(MAX_BLOCK, max(_ROW_CAP, 4 * k_pad))
+
+
+def _vocab_topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vocab_topk` by `vocab_row_kernel`, one program per (batch, depth) row."""
+    batch, depth, vocab = logits.shape
+    device, rows, k_pad = logits.device, batch * depth, _pow2(k)
+    tile, group, s_pad, cap = _row_plan(vocab, k_pad)
+    maxima = torch.empty((rows, s_pad), dtype=torch.float32, device=device)  # [rows, S_PAD]
+    cand = torch.empty((rows, cap), dtype=torch.int64, device=device)  # [rows, CAP]
+    scratch = torch.empty((rows, k_pad), dtype=torch.int64, device=device)  # [rows, K_PAD]
+    top_lp = torch.empty((batch, depth, k), dtype=torch.float32, device=device)  # [batch, depth, k]
+    top_ids = torch.empty((batch, depth, k), dtype=torch.int64, device=device)  # [batch, depth, k]
+    _kernels().vocab_row_kernel[(rows,)](
+        logits, maxima, cand, scratch, top_lp, top_ids, vocab, k,
+        TILE=tile, GROUP=group, S_PAD=s_pad, CAP=cap, K_PAD=k_pad, ACCURATE=not _interpreting(),
+        RADIX_BITS=_RADIX_BITS_MERGE, num_warps=_warps(max(tile, cap)),
     )  # fmt: skip
     return top_lp, top_ids
 

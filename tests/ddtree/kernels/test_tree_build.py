@@ -37,6 +37,13 @@ def radix_bits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return int(request.param)
 
 
+@pytest.fixture(params=[False, True], ids=["chunks", "rows"])
+def vocab_rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Runs a test with the vocab stage as the partial and merge kernels, then as the row kernel."""
+    monkeypatch.setattr(tree_build, "_VOCAB_ROWS", request.param)
+    return bool(request.param)
+
+
 def random_logits(batch: int, depth: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn((batch, depth, vocab), generator=gen) * scale  # [batch, depth, vocab]
@@ -118,7 +125,9 @@ def test_threshold_search_finds_the_kth_largest_key(top_bit: int, radix: int) ->
         (2, 1, 100, 8, None),  # depth 1
     ],
 )
-def test_matches_build_tree(batch: int, depth: int, vocab: int, budget: int, topk: int | None, radix_bits: int) -> None:
+def test_matches_build_tree(
+    batch: int, depth: int, vocab: int, budget: int, topk: int | None, radix_bits: int, vocab_rows: bool
+) -> None:
     logits = random_logits(batch, depth, vocab, seed=batch * 1000 + vocab + budget)
     assert_same_tree(build_tree_fused(logits, budget, topk), build_tree(logits, budget, topk))
 
@@ -140,7 +149,7 @@ def test_many_vocab_chunks(monkeypatch: pytest.MonkeyPatch, radix_bits: int) -> 
 
 
 @pytest.mark.parametrize(("vocab", "k"), [(1000, 1), (1000, 37), (200, 128), (64, 64)])
-def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int, radix_bits: int) -> None:
+def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int, radix_bits: int, vocab_rows: bool) -> None:
     logits = random_logits(2, 3, vocab, seed=vocab + k)
     top_lp, top_ids = vocab_topk(logits, k)
     ref_lp, ref_ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
@@ -149,7 +158,7 @@ def test_vocab_topk_matches_log_softmax_topk(vocab: int, k: int, radix_bits: int
     torch.testing.assert_close(top_lp, ref_lp, rtol=1e-6, atol=1e-6)
 
 
-def test_low_precision_logits_are_read_as_float32(radix_bits: int) -> None:
+def test_low_precision_logits_are_read_as_float32(radix_bits: int, vocab_rows: bool) -> None:
     """bfloat16 and float16 logits without ties (distinct multiples of 1/8) give torch's top-k and tree."""
     perm = torch.stack([torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(4)])
     logits = (perm.reshape(2, 2, 256).float() / 8 - 16).to(torch.bfloat16)  # [2, 2, 256]
@@ -163,7 +172,7 @@ def test_low_precision_logits_are_read_as_float32(radix_bits: int) -> None:
         assert_equivalent_tree(build_tree_fused(x, 16), build_tree(x, 16), x)
 
 
-def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree(radix_bits: int) -> None:
+def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree(radix_bits: int, vocab_rows: bool) -> None:
     logits = torch.zeros((2, 3, 40))  # every token ties
     logits[1, :, 7] = 1.0
     _, top_ids = vocab_topk(logits, 5)
@@ -174,12 +183,40 @@ def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree(radix_bits: int) ->
     assert_equivalent_tree(fused, build_tree(logits, 12), logits)
 
 
-def test_minus_inf_logits_make_fewer_nodes(radix_bits: int) -> None:
+def test_minus_inf_logits_make_fewer_nodes(radix_bits: int, vocab_rows: bool) -> None:
     logits = random_logits(2, 3, 20, seed=3)
     logits[0, :, 2:] = float("-inf")  # request 0 has 2 + 4 + 8 finite prefixes
     fused, ref = build_tree_fused(logits, 32), build_tree(logits, 32)
     assert fused.num_nodes.tolist() == [14, 32]
     assert_same_tree(fused, ref)
+
+
+@pytest.mark.parametrize("cap", [None, 1], ids=["floor", "slow-path"])
+def test_the_row_kernel_keeps_ties_in_vocab_order_on_both_of_its_paths(
+    cap: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logits on three levels tie across the k-th place: the candidates at or above the floor (about a third
+    of the vocabulary), or, with the candidate room at its minimum (4 * K_PAD), the exact search's, give the
+    top k by (log-prob descending, vocab id ascending), as a stable sort does."""
+    monkeypatch.setattr(tree_build, "_VOCAB_ROWS", True)
+    if cap is not None:
+        monkeypatch.setattr(tree_build, "_ROW_CAP", cap)
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randint(0, 3, (2, 2, 2000), generator=gen).float()  # [2, 2, 2000]
+    k = 37
+    assert tree_build._row_plan(2000, 64)[3] == (2048 if cap is None else 256), "the slow path needs > CAP"
+    top_lp, top_ids = vocab_topk(logits, k)
+    ref_lp = torch.log_softmax(logits, dim=-1)
+    order = torch.sort(ref_lp, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: smaller id first
+    assert torch.equal(top_ids, order)
+    torch.testing.assert_close(top_lp, ref_lp.gather(-1, order), rtol=1e-6, atol=1e-6)
+
+
+def test_the_row_plan_samples_at_least_k_stretches_within_the_block_limit() -> None:
+    for vocab, k_pad in ((49152, 256), (49152, 16), (200, 128), (3, 2), (1 << 20, 256)):
+        tile, group, s_pad, cap = tree_build._row_plan(vocab, k_pad)
+        assert -(-vocab // group) >= k_pad and s_pad <= tree_build.MAX_BLOCK and tile % group == 0, vocab
+        assert 4 * k_pad <= cap <= tree_build.MAX_BLOCK
 
 
 def test_sizes_past_the_kernel_limits_fall_back_to_build_tree() -> None:
