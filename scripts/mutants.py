@@ -44,6 +44,7 @@ RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collecto
 ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
 ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
 ANCESTORS = ("tests/ddtree/kernels/test_ancestors.py",)
+TREE_KERNELS = ("tests/ddtree/kernels/test_tree_build.py",)
 PROBE = (
     "tests/ddtree/engine/test_probe.py",
     "tests/ddtree/engine/test_session.py",
@@ -274,8 +275,22 @@ def _mutants() -> list[Mutant]:
             "attention-prefix-one-short",
             "the Triton tree attention misses the last committed slot",
             "ddtree/kernels/_tree_attention_triton.py",
-            (("        kv_ok = slot < length\n", "        kv_ok = slot < length - 1\n"),),
+            (("    last = tl.minimum(length, first + per)\n", "    last = tl.minimum(length - 1, first + per)\n"),),
             ATTENTION,
+        ),
+        Mutant(
+            "attention-splits-merge-skips-first",
+            "split-K: the merge of the partial softmaxes leaves out the first run of the prefix",
+            "ddtree/kernels/_tree_attention_triton.py",
+            (("    for j in tl.static_range(SPLITS):\n", "    for j in tl.static_range(1, SPLITS):\n"),),
+            ATTENTION,
+        ),
+        Mutant(
+            "vocab-rows-slow-path-drops-a-tie",
+            "the row kernel's exact path keeps one tie too few at the k-th place",
+            "ddtree/kernels/_tree_build_triton.py",
+            (("t, k - above, dst, CAP, TILE)\n", "t, k - above - 1, dst, CAP, TILE)\n"),),
+            TREE_KERNELS,
         ),
         Mutant(
             "ancestors-skip-self",
