@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ class FirstTokens:
     """The prefill's first tokens of requests that joined together, on their way to the host: `read` waits for
     the copy the first time one of them is needed, so a join never waits for the device."""
 
-    def __init__(self, ticket: Any, wait: Any) -> None:
+    def __init__(self, ticket: Any, wait: Callable[[Any], Any]) -> None:
         self._ticket, self._wait = ticket, wait  # a `Readback` ticket and that reader's `wait`
         self._values: list[int] | None = None
 
