@@ -59,12 +59,6 @@ class Readback:
         return values
 
 
-def to_host(t: torch.Tensor) -> Any:
-    """A device tensor's values as lists, read once (pinned copy and an event wait on CUDA)."""
-    reader = Readback(t.device, 1)
-    return reader.wait(reader.start(t))
-
-
 def to_device(values: list[Any], device: torch.device) -> torch.Tensor:
     """Host values to the device without an implicit sync (pinned memory, non-blocking copy)."""
     host = torch.tensor(values, pin_memory=device.type == "cuda")

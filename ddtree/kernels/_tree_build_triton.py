@@ -317,11 +317,9 @@ def _row_count(base: tl.tensor, vocab: tl.tensor, t: tl.tensor, TILE: tl.constex
 
 
 @_jit
-def _row_kth_largest(
-    base: tl.tensor, vocab: tl.tensor, k: tl.tensor, TILE: tl.constexpr
-) -> tuple[tl.tensor, tl.tensor]:
+def _row_kth_largest(base: tl.tensor, vocab: tl.tensor, k: tl.tensor, TILE: tl.constexpr) -> tl.tensor:
     """`_kth_largest` over a whole row, a pass over it per bit (the slow path, for rows the floor leaves too many
-    candidates in): t and count(ukey >= t) >= k."""
+    candidates in): the t with count(ukey >= t) >= k (the count itself is not needed by the caller)."""
     t = tl.zeros((), dtype=tl.uint32)
     count = vocab.to(tl.int32)
     bit = tl.full((), 31, tl.int32)
@@ -331,7 +329,7 @@ def _row_kth_largest(
         t = tl.where(c >= k, cand, t)
         count = tl.where(c >= k, c, count)
         bit -= 1
-    return t, count
+    return t
 
 
 @_jit
@@ -410,7 +408,7 @@ def vocab_row_kernel(
     dst = cand_ptr + row.to(tl.int64) * CAP
     total = _compact_row(base, vocab, floor, vocab, dst, CAP, TILE)
     if total > CAP:
-        t, _ = _row_kth_largest(base, vocab, k, TILE)
+        t = _row_kth_largest(base, vocab, k, TILE)
         above = _row_count(base, vocab, t + 1, TILE)  # ukey > t; the first (k - above) ties at t join them
         total = _compact_row(base, vocab, t, k - above, dst, CAP, TILE)
     tl.debug_barrier()
