@@ -295,7 +295,7 @@ class DecodeSession:
             positions = steps.expand(k, -1)
             last = (lengths - 1)[:, None]
             out = self.target.forward(
-                tokens, positions, visible, scratch, width, last, fused=False, attention=self.attention
+                tokens, positions, visible, scratch, width, last, self.fused, self.attention, any_shape=True
             )
             scratch.lengths.copy_(lengths)
             self.cache.load_rows(index, scratch)

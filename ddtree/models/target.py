@@ -57,6 +57,8 @@ class Target:
         self.dtype = param.dtype
         self._qkv: Any = _qkv  # replaced by compiled versions in compile_layers()
         self._residual_mlp: Any = residual_mlp
+        self._qkv_any: Any = _qkv  # the same, compiled for any shape
+        self._residual_mlp_any: Any = residual_mlp
 
     @property
     def num_layers(self) -> int:
@@ -87,15 +89,17 @@ class Target:
         logit_index: torch.Tensor | None = None,
         fused: bool = True,
         attention: str = "sdpa",
+        any_shape: bool = False,
     ) -> TargetOutput:
         """Run `tokens` (`[batch, n]`) at `positions` (`[batch, n]`) on top of the cache.
 
         Token i is written to slot `cache.lengths + i` and sees the committed prefix plus the tokens j
         with `visible[b, i, j]` (`[batch, n, n]`). `key_span` is a host-side bound on
-        `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits. `fused=False`
-        runs the layers eagerly even after `compile_layers` (prefill: one-off shapes not worth compiling).
-        `attention` is `sdpa` (torch's attention given a dense mask) or `triton` (`ddtree.kernels.tree_attention`,
-        which reads `visible` directly).
+        `max(cache.lengths) + n`. With `logit_index` (`[batch, m]`) only those rows get logits. After
+        `compile_layers`, `fused` runs the compiled regions: those compiled per shape (a step's few shapes), or
+        with `any_shape` those compiled once for symbolic sizes (the prefill's many shapes); `fused=False` runs
+        the layers eagerly. `attention` is `sdpa` (torch's attention given a dense mask) or `triton`
+        (`ddtree.kernels.tree_attention`, which reads `visible` directly).
         """
         n = tokens.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
@@ -106,7 +110,7 @@ class Target:
         cos, sin = self.rotary(x, positions)
         features: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused, attention)
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused, attention, any_shape)
             if i in self.feature_layers:
                 features[i] = x
         x = self.norm(x)
@@ -124,6 +128,10 @@ class Target:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self._qkv = torch.compile(_qkv, dynamic=False)
         self._residual_mlp = torch.compile(residual_mlp, dynamic=False)
+        # The prefill's shapes (requests joining, prompt bucket) are many and each rarely seen: one compile
+        # with symbolic sizes serves them all.
+        self._qkv_any = torch.compile(_qkv, dynamic=True)
+        self._residual_mlp_any = torch.compile(residual_mlp, dynamic=True)
 
     def _layer(
         self,
@@ -138,9 +146,12 @@ class Target:
         key_span: int,
         fused: bool,
         attention: str,
+        any_shape: bool = False,
     ) -> torch.Tensor:
         scale = getattr(layer.self_attn, "scaling", None)
-        qkv, rest = (self._qkv, self._residual_mlp) if fused else (_qkv, residual_mlp)
+        qkv, rest = (_qkv, residual_mlp)
+        if fused:
+            qkv, rest = (self._qkv_any, self._residual_mlp_any) if any_shape else (self._qkv, self._residual_mlp)
         q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
         if attention == "triton":
