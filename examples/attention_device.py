@@ -4,8 +4,7 @@ construction included, as the target builds it once per forward and the 30 layer
     python examples/attention_device.py [--json OUT]
 
 Shapes are the default target's (9 heads, 3 KV heads, head size 64, bfloat16); each case is captured as a
-CUDA graph of 20 calls and replayed, so launch costs are those of a graphed step. The kernel is timed as set
-(`_SPLITS`) and with its prefix split over programs (`_SPLITS = "auto"`, split-K).
+CUDA graph of 20 calls and replayed, so launch costs are those of a graphed step.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from ddtree.kernels import tree_attention as attention_module
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.models.target import tree_attention_mask
 
@@ -61,16 +59,8 @@ def case(batch: int, n: int, prefix: int) -> dict[str, float]:
     def kernel() -> torch.Tensor:
         return tree_attention(q, keys, values, lengths, visible, 0.125)
 
-    row = {"batch": batch, "n": n, "prefix": prefix, "sdpa_us": timed(dense), "triton_us": timed(kernel)}
-    row["err"] = (kernel().float() - dense().float()).abs().max().item()
-    kept = attention_module._SPLITS
-    attention_module._SPLITS = "auto"
-    try:
-        row["split_us"] = timed(kernel)
-        row["split_err"] = (kernel().float() - dense().float()).abs().max().item()
-    finally:
-        attention_module._SPLITS = kept
-    return row
+    err = (kernel().float() - dense().float()).abs().max().item()
+    return {"batch": batch, "n": n, "prefix": prefix, "sdpa_us": timed(dense), "triton_us": timed(kernel), "err": err}
 
 
 def main() -> None:
@@ -78,15 +68,12 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = [case(*c) for c in CASES]
-    print(
-        f"{'batch':>5} {'n':>3} {'prefix':>6} {'sdpa+mask us':>12} {'triton us':>9} {'ratio':>6} {'max err':>8} "
-        f"{'split-K us':>10} {'max err':>8}"
-    )
+    print(f"{'batch':>5} {'n':>3} {'prefix':>6} {'sdpa+mask us':>12} {'triton us':>9} {'ratio':>6} {'max err':>8}")
     for r in rows:
         ratio = r["sdpa_us"] / r["triton_us"]
         print(
             f"{r['batch']:>5} {r['n']:>3} {r['prefix']:>6} {r['sdpa_us']:>12.1f} {r['triton_us']:>9.1f} "
-            f"{ratio:>6.2f} {r['err']:>8.4f} {r['split_us']:>10.1f} {r['split_err']:>8.4f}"
+            f"{ratio:>6.2f} {r['err']:>8.4f}"
         )
     if args.json:
         with open(args.json, "w") as f:

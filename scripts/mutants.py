@@ -275,14 +275,7 @@ def _mutants() -> list[Mutant]:
             "attention-prefix-one-short",
             "the Triton tree attention misses the last committed slot",
             "ddtree/kernels/_tree_attention_triton.py",
-            (("    last = tl.minimum(length, first + per)\n", "    last = tl.minimum(length - 1, first + per)\n"),),
-            ATTENTION,
-        ),
-        Mutant(
-            "attention-splits-merge-skips-first",
-            "split-K: the merge of the partial softmaxes leaves out the first run of the prefix",
-            "ddtree/kernels/_tree_attention_triton.py",
-            (("    for j in tl.static_range(SPLITS):\n", "    for j in tl.static_range(1, SPLITS):\n"),),
+            (("        kv_ok = slot < length\n", "        kv_ok = slot < length - 1\n"),),
             ATTENTION,
         ),
         Mutant(

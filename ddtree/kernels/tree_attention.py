@@ -11,10 +11,7 @@ flash-attention loop in two phases: the committed prefix, up to the request's ow
 past it is read, so short requests cost less than long ones), then the n tree slots, masked by `visible`
 rows loaded as they are needed. A program's rows are (node, query head) pairs of one KV head, so grouped
 query heads share each key load. Softmax is online, in float32, in base 2; float32 inputs use IEEE dots
-(no TF32), so float32 results agree with the dense path to rounding. `_SPLITS` can also cut each committed
-prefix into runs of key blocks for several programs (split-K, for grids too small to fill the GPU: batch 1 has
-3 programs); the last of them to finish, told by an atomic counter, merges their partial softmaxes in the same
-kernel, so no second launch is needed.
+(no TF32), so float32 results agree with the dense path to rounding.
 """
 
 from __future__ import annotations
@@ -30,13 +27,6 @@ from ddtree.kernels import ATTENTION_CHOICES
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_M = 64  # query rows (node, head pairs) per program
 _BLOCK_N = 64  # keys per loop step
-# Programs that share one (request, KV head, row block)'s committed prefix, each on a run of its key blocks
-# (split-K): 1, one program does it all; "auto", enough for about _WAVES programs per SM. Not timed on a GPU
-# yet, so 1.
-_SPLITS: int | str = 1
-_WAVES = 4
-_MAX_SPLITS = 16
-_counters: dict[tuple[str, int], torch.Tensor] = {}  # zeroed once; each call leaves its counters at zero
 
 
 def triton_attention_available(device: torch.device) -> bool:
@@ -92,10 +82,7 @@ def tree_attention(
     out = torch.empty((batch, n, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
     mask = visible.contiguous().view(torch.uint8)  # [batch, n, n]
     block_d = max(16, 1 << (dim - 1).bit_length())
-    owners = batch * kv_heads * -(-n * group // _BLOCK_M)  # (request, KV head, row block)
-    splits = _split_count(owners, keys.shape[2], q.device)
-    part = torch.empty((owners * splits * _BLOCK_M * (block_d + 2),) if splits > 1 else (1,), device=q.device)
-    grid = (batch, kv_heads, -(-n * group // _BLOCK_M) * splits)
+    grid = (batch, kv_heads, -(-n * group // _BLOCK_M))
     _kernels().tree_attention_kernel[grid](
         q,
         keys,
@@ -110,34 +97,11 @@ def tree_attention(
         *values.stride()[:3],
         *out.stride()[:3],
         *mask.stride()[:2],
-        part,
-        _counter(owners, q.device) if splits > 1 else part,
         GROUP=group,
         HEAD_DIM=dim,
         BLOCK_D=block_d,
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         IEEE=q.dtype == torch.float32,
-        SPLITS=splits,
     )
     return out
-
-
-def _split_count(owners: int, capacity: int, device: torch.device) -> int:
-    """Programs per (request, KV head, row block): `_SPLITS`, or for "auto" about `_WAVES` programs per SM,
-    never more than the cache has key blocks."""
-    if _SPLITS != "auto":
-        return int(_SPLITS)
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(_MAX_SPLITS, -(-capacity // _BLOCK_N), -(-_WAVES * sms // owners)))
-
-
-def _counter(owners: int, device: torch.device) -> torch.Tensor:
-    """`owners` int32 zeros that live as long as the process (a CUDA graph may hold them): the kernel counts
-    finished splits in them and sets them back to zero."""
-    key = (str(device), owners)
-    if key not in _counters:
-        _counters[key] = torch.zeros(owners, dtype=torch.int32, device=device)
-    return _counters[key]

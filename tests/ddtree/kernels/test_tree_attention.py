@@ -72,24 +72,6 @@ def test_equals_the_dense_mask_attention(
     torch.testing.assert_close(out.float(), ref, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
-def test_a_prefix_split_over_programs_merges_to_the_same_attention(
-    splits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Split-K: each program takes a run of the prefix's key blocks (runs past a short prefix are empty), the
-    last tree slots go to the last one, and the last program to finish merges the partial softmaxes; the
-    counters it used are back at zero for the next call (a replayed CUDA graph relies on it)."""
-    from ddtree.kernels import tree_attention as module
-
-    monkeypatch.setattr(module, "_SPLITS", splits)
-    for case in ((3, 9, 3, 17, 64, 200), (2, 6, 3, 70, 48, 160), (1, 2, 1, 1, 16, 20)):
-        q, keys, values, lengths, visible = random_case(*case, torch.float32, seed=splits)
-        out = tree_attention(q, keys, values, lengths, visible, scale=0.3)
-        ref = dense_reference(q, keys, values, lengths, visible, 0.3)
-        torch.testing.assert_close(out.float(), ref, rtol=1e-5, atol=1e-5)
-    assert module._counters and all(int(c.abs().sum()) == 0 for c in module._counters.values())
-
-
 def test_reads_the_cache_in_place_through_a_narrowed_view() -> None:
     """The session hands the kernel one layer of a cache narrowed to its first rows: strided, not copied."""
     q, keys, values, lengths, visible = random_case(4, 6, 2, 9, 32, 64, torch.float32, seed=3)
