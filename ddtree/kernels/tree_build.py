@@ -19,13 +19,14 @@ of a depth all beat them), it runs:
    65k at budget 256). A threshold search keeps the best `budget`, a bitonic sort of those orders the new level.
    Then the global top `budget` over all levels (same selection), node numbering and parent lookup.
 
-Steps 1 and 2 have an alternative, `vocab_row_kernel` (`_VOCAB_ROWS`), one program per row that reads it
-twice: first the online logsumexp and the maximum of every stretch of `_ROW_GROUP` logits; the k-th largest of
-those maxima is a floor under the row's k-th largest logit (k stretches reach it), so the logits at or above it
-(1.5 to 2.5 times k on the default drafter's rows at k = 16 to 256, at most 793 for k = 256; 1.2 times k on
-random rows) are the only candidates, compacted in vocab id order and selected as in step 2. A row with more
-than `_ROW_CAP` candidates (near-flat logits) finds its exact k-th largest logit by a bitwise search over the
-whole row instead. The same top k, with the threshold search over a few hundred candidates, not the vocabulary.
+Steps 1 and 2 have an alternative, `vocab_row_kernel` (`_VOCAB_ROWS`; the default for 16-bit logits), one
+program per row that reads it twice: first the online logsumexp and the maximum of every stretch of
+`_ROW_GROUP` logits; the k-th largest of those maxima is a floor under the row's k-th largest logit (k stretches
+reach it), so the logits at or above it (1.5 to 2.5 times k on the default drafter's rows at k = 16 to 256, at
+most 793 for k = 256; 1.2 times k on random rows) are the only candidates, compacted in vocab id order and
+selected as in step 2. A row with more than `_ROW_CAP` candidates (near-flat logits) finds its exact k-th
+largest logit by a bitwise search over the whole row instead. The same top k, with the threshold search over a
+few hundred candidates, not the vocabulary.
 
 Steps 2 and 3 select as step 1 does, then sort the survivors (`_BITONIC_MERGE` / `_BITONIC_BEAM` switch them to
 one tl.topk over all candidates instead). `_RADIX_BITS_VOCAB` / `_MERGE` / `_BEAM` set the bits each round of a
@@ -77,9 +78,11 @@ _RADIX_BITS_BEAM: int | None = None
 _RADIX_BEAM_MAX_BUDGET = 64  # the beam's radix search up to this (padded) budget, the binary one beyond
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 # The vocab stage as one program per row (`vocab_row_kernel`: two passes over the row, a floor from the maxima
-# of stretches of _ROW_GROUP logits, candidates at or above it) instead of the partial and merge kernels. Not
-# timed on a GPU yet, so off; `examples/tree_build_device.py --knobs` times both.
-_VOCAB_ROWS = False
+# of stretches of _ROW_GROUP logits, candidates at or above it) instead of the partial and merge kernels: True,
+# False, or None for 16-bit logits only. On the H200 (`examples/tree_build_device.py --knobs`, batch 32, depth 15)
+# bfloat16 rows took 226 us against 265 at k = 256 and the same at k = 32; float32 rows took 251 against 214 at
+# k = 32. The whole step at batch 64, B = 16 (bfloat16) fell from 3.49 to 3.31 ms.
+_VOCAB_ROWS: bool | None = None
 _ROW_TILE = 2048  # logits a loop step of the row kernel loads
 _ROW_GROUP = 64  # logits per stretch whose maximum samples the floor
 _ROW_CAP = 2048  # candidates a row holds at most (at least 4 * K_PAD); past it the row takes the exact slow path
@@ -162,7 +165,7 @@ def vocab_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     """
     batch, depth, vocab = draft_logits.shape
     logits = draft_logits.contiguous()  # [batch, depth, vocab]
-    if _VOCAB_ROWS:
+    if _VOCAB_ROWS or (_VOCAB_ROWS is None and logits.dtype in _LOW_BITS):
         return _vocab_topk_rows(logits, k)
     device = logits.device
     rows, k_pad = batch * depth, _pow2(k)

@@ -172,6 +172,27 @@ def test_low_precision_logits_are_read_as_float32(radix_bits: int, vocab_rows: b
         assert_equivalent_tree(build_tree_fused(x, 16), build_tree(x, 16), x)
 
 
+def test_by_default_16_bit_logits_take_the_row_kernel_and_float32_the_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_VOCAB_ROWS = None` picks the vocab stage by the logits' dtype, as the H200 timings chose."""
+    monkeypatch.setattr(tree_build, "_VOCAB_ROWS", None)
+    seen: list[torch.dtype] = []
+    rows = tree_build._vocab_topk_rows
+
+    def spy(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(logits.dtype)
+        return rows(logits, k)
+
+    monkeypatch.setattr(tree_build, "_vocab_topk_rows", spy)
+    logits = torch.randn(1, 2, 300)  # [1, 2, 300]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = logits.to(dtype).float()
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :4]  # ties: smaller id first
+        assert torch.equal(vocab_topk(logits.to(dtype), 4)[1], order)
+    assert seen == [torch.bfloat16, torch.float16]
+
+
 def test_ties_prefer_smaller_token_ids_and_keep_a_valid_tree(radix_bits: int, vocab_rows: bool) -> None:
     logits = torch.zeros((2, 3, 40))  # every token ties
     logits[1, :, 7] = 1.0
