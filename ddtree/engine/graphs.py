@@ -16,8 +16,10 @@ one graph per stage, so that the observer's host-side stage marks fall between r
 
 from __future__ import annotations
 
+import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +108,15 @@ class StepRunner:
         torch.cuda.synchronize()  # the warm-up step has finished before capture starts
         pool = torch.cuda.graph_pool_handle()
         graphs = []
-        for group in self._groups():
-            graph = torch.cuda.CUDAGraph()
-            with warnings.catch_warnings():  # a stage with no device work (ar's draft) makes an empty graph
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                with torch.cuda.graph(graph, pool=pool):
-                    for stage in group:
-                        stage(bag)
-            graphs.append(graph)
+        with _no_collection():
+            for group in self._groups():
+                graph = torch.cuda.CUDAGraph()
+                with warnings.catch_warnings():  # a stage with no device work (ar's draft) makes an empty graph
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    with torch.cuda.graph(graph, pool=pool):
+                        for stage in group:
+                            stage(bag)
+                graphs.append(graph)
         return _Captured(graphs=graphs, bag=bag, per_stage=self.per_stage)
 
     def _prepare_stamps(self, bag: Bag) -> None:
@@ -147,6 +150,20 @@ def _then(first: Stage, second: Stage) -> Stage:
         second(bag)
 
     return run
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """No collection of Python's garbage until the block ends (around a capture). A graph that a dropped
+    session left in a reference cycle is destroyed when the collector frees it, and destroying a graph while a
+    stream captures is an error that fails the capture. (torch's own capture no longer collects first.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _stamper(index: int) -> Stage:
@@ -191,6 +208,6 @@ class GraphCache:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with _no_collection(), torch.cuda.graph(graph, pool=self.pool):
             fn(static)
         return graph, static

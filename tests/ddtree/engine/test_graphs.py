@@ -6,6 +6,7 @@ stand-in stages and a stand-in `stamp`.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -160,3 +161,52 @@ def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(line[sc.FIELD_STAGE_MS] == dict.fromkeys(sc.STAGES, 0.0007) for line in steps[1:])
     spans = [s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_STEP]
     assert all(s.end_time - s.start_time == 4 * 700 for s in spans[1:])
+
+
+class _Dropped:
+    """Stands for a dropped session: garbage in a reference cycle that holds a graph."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.cycle = self
+        self.log = log
+
+    def __del__(self) -> None:
+        self.log.append("graph destroyed")
+
+
+def test_no_garbage_is_collected_while_a_graph_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection during a capture that frees a dropped session's graph would fail the capture on CUDA: both
+    capture paths keep the collector off until the capture ends (each stage leaves garbage and starts a
+    collection where an allocation would), and turn it back on after."""
+    log: list[str] = []
+
+    class Graph:
+        def __enter__(self) -> None:
+            log.append("capture")
+
+        def __exit__(self, *exc: object) -> None:
+            log.append("end")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: Graph())
+
+    def stage(bag: Bag) -> None:
+        if gc.isenabled():
+            gc.collect()
+        log.append("stage")
+        _Dropped(log)  # garbage for the next stage's collection, if it runs one
+
+    runner = StepRunner([("draft", stage)], NOOP, cuda_graphs=True, finish=stage, stamped=False)
+    cache = graphs.GraphCache(cuda_graphs=True)
+    for capture in (lambda: runner._capture({}), lambda: cache.run(("k",), stage, {})):
+        gc.collect()
+        log.clear()
+        _Dropped(log)
+        capture()
+        assert gc.isenabled()
+        capturing = log[log.index("capture") : log.index("end")]
+        assert "stage" in capturing and "graph destroyed" not in capturing
+        gc.collect()
+        assert log[-1] == "graph destroyed"
