@@ -305,6 +305,13 @@ def _mutants() -> list[Mutant]:
             PROBE,
         ),
         Mutant(
+            "capture-lets-the-collector-run",
+            "a CUDA graph capture leaves Python's garbage collector on, so it may free another graph mid-capture",
+            "ddtree/engine/graphs.py",
+            (("    gc.disable()\n", "    pass\n"),),
+            ("tests/ddtree/engine/test_graphs.py",),
+        ),
+        Mutant(
             "stamps-not-offsets",
             "stage times from device stamps skip the subtraction of the step's first stamp",
             "telemetry/collector.py",
