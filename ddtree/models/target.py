@@ -109,8 +109,9 @@ class Target:
         x = self.embed(tokens)
         cos, sin = self.rotary(x, positions)
         features: dict[int, torch.Tensor] = {}
+        regions = self._regions(fused, any_shape)
         for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, fused, attention, any_shape)
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, regions, attention)
             if i in self.feature_layers:
                 features[i] = x
         x = self.norm(x)
@@ -133,6 +134,12 @@ class Target:
         self._qkv_any = torch.compile(_qkv, dynamic=True)
         self._residual_mlp_any = torch.compile(residual_mlp, dynamic=True)
 
+    def _regions(self, fused: bool, any_shape: bool) -> tuple[Any, Any]:
+        """The (qkv, residual and MLP) functions a forward's layers run: eager, or compiled per shape or for any."""
+        if not fused:
+            return _qkv, residual_mlp
+        return (self._qkv_any, self._residual_mlp_any) if any_shape else (self._qkv, self._residual_mlp)
+
     def _layer(
         self,
         layer: Any,
@@ -144,14 +151,11 @@ class Target:
         mask: torch.Tensor,
         cache: KVCache,
         key_span: int,
-        fused: bool,
+        regions: tuple[Any, Any],
         attention: str,
-        any_shape: bool = False,
     ) -> torch.Tensor:
         scale = getattr(layer.self_attn, "scaling", None)
-        qkv, rest = (_qkv, residual_mlp)
-        if fused:
-            qkv, rest = (self._qkv_any, self._residual_mlp_any) if any_shape else (self._qkv, self._residual_mlp)
+        qkv, rest = regions
         q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
         if attention == "triton":
