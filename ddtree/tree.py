@@ -44,6 +44,12 @@ class DraftTree:
         return slots[None, :] <= self.num_nodes[:, None]
 
 
+def reachable_depth(budget: int, depth: int) -> int:
+    """How many of `depth` drafted positions a tree of `budget` nodes can reach. A node at depth d brings its
+    d - 1 ancestors into the tree, so no node lies deeper than `budget`: logits past it never matter."""
+    return min(budget, depth)
+
+
 def root_only_tree(batch: int, device: torch.device) -> DraftTree:
     """The tree of plain autoregressive decoding: a root and no drafts."""
     minus_one = torch.full((batch, 1), -1, dtype=torch.long, device=device)

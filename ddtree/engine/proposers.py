@@ -18,7 +18,7 @@ from ddtree.kv_cache import KVCache
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
-from ddtree.tree import DraftTree, build_tree, root_only_tree
+from ddtree.tree import DraftTree, build_tree, reachable_depth, root_only_tree
 from ddtree.verify import ancestor_mask
 
 TREE_KERNELS = ("auto", "torch", "triton")
@@ -44,8 +44,9 @@ class Proposer(Protocol):
         fused: bool,
         attention: str = "sdpa",
     ) -> torch.Tensor | None:
-        """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`); `fused`: use
-        the drafter's compiled regions (`compile_layers`); `attention`: `sdpa` or `triton`."""
+        """Per-depth draft logits `[batch, depth, vocab]` for a block rooted at `root` (`[batch]`), for the depths
+        the tree can reach (`ddtree.tree.reachable_depth`); `fused`: use the drafter's compiled regions
+        (`compile_layers`); `attention`: `sdpa` or `triton`."""
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         """The tree to verify."""
@@ -101,6 +102,7 @@ class DrafterProposer:
         self.topk = topk
         self.width = 1 + budget
         self.block = drafter.block_size
+        self.depth = reachable_depth(budget, drafter.depth)  # positions whose logits the tree can use
 
     def new_cache(self, slots: int, capacity: int) -> KVCache | None:
         return self.drafter.new_cache(slots, capacity, self.target.dtype, self.target.device)
@@ -123,7 +125,7 @@ class DrafterProposer:
         block = torch.full((root.shape[0], self.drafter.block_size), self.drafter.mask_token_id, device=root.device)
         block[:, 0] = root
         hidden = self.drafter(self.target.embed(block), context, counts, cache, span, fused, attention)
-        return self.target.head(hidden[:, 1:])  # [batch, depth, vocab]
+        return self.target.head(hidden[:, 1 : 1 + self.depth])  # [batch, depth, vocab]
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         assert logits is not None

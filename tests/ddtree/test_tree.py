@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.tree import DraftTree, build_tree
+from ddtree.tree import DraftTree, build_tree, reachable_depth
 
 
 def heap_reference(log_probs: np.ndarray, budget: int, topk: int) -> list[tuple[tuple[int, ...], float]]:
@@ -125,3 +125,33 @@ def test_topk_one_gives_the_greedy_chain() -> None:
 def test_build_tree_rejects_bad_arguments(budget: int, topk: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_tree(torch.zeros(1, 2, 20), budget, topk)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    depth=st.integers(2, 8),
+    vocab=st.integers(1, 6),
+    budget_frac=st.floats(0.0, 1.0),
+    topk_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.0, 0.5, 3.0, 30.0]),
+    rounded=st.booleans(),
+)
+def test_depths_past_the_budget_never_change_the_tree(
+    batch: int, depth: int, vocab: int, budget_frac: float, topk_frac: float, seed: int, scale: float, rounded: bool
+) -> None:
+    """The engine drafts only `reachable_depth(budget, depth)` positions: the tree must be the same without the
+    deeper ones, ties (equal and zero log-probs) included."""
+    budget = 1 + round(budget_frac * (depth - 2))  # 1 .. depth - 1
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, depth, vocab, generator=gen) * scale
+    if rounded:
+        logits = logits.round()
+    topk = max(1, min(vocab, budget, round(topk_frac * vocab)))
+    reach = reachable_depth(budget, depth)
+    assert reach == budget < depth
+    full, cut = build_tree(logits, budget, topk), build_tree(logits[:, :reach], budget, topk)
+    assert int(full.depths.max()) <= reach
+    for field in ("tokens", "parents", "depths", "log_probs", "num_nodes"):
+        assert torch.equal(getattr(full, field), getattr(cut, field)), field
