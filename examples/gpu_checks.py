@@ -48,7 +48,7 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
         sdpa = Engine(target, drafter, attention="sdpa")
         ar_cfg = GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)
         ar = eager.generate(prompts, ar_cfg).outputs
-        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 32)):
+        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", 32)):  # B=8 < depth 15
             cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
             runners = [("eager", eager), ("graphed", engine), ("graphed torch-tree", torch_tree)]
             for name, runner in [*runners, ("graphed sdpa", sdpa)] if method != "ar" else [("graphed", engine)]:
