@@ -58,6 +58,7 @@ from ddtree.sglang.tree_step import (
     sample_nodes,
     tree_verify,
 )
+from ddtree.tree import reachable_depth
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,8 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         with observe.stage(tel, observe.DRAFT):
             draft_plan = self._plan(batch, window[:, : self.block_size], prefix_host)
             hidden = self._draft_hidden(batch, draft_input.bonus_tokens, draft_plan, prefix_host)  # [bs, block, H]
-            draft_logits = self._draft_logits(hidden[:, 1:])
+            depth = reachable_depth(self.ddtree.budget, int(self.block_size) - 1)  # no node lies deeper
+            draft_logits = self._draft_logits(hidden[:, 1 : 1 + depth])
         with observe.stage(tel, observe.TREE_BUILD):
             tree = draft_tree(draft_logits, self.ddtree.budget, self.ddtree.topk)
             if tel is not None:
