@@ -305,6 +305,13 @@ def _mutants() -> list[Mutant]:
             PROBE,
         ),
         Mutant(
+            "draft-head-one-depth-short",
+            "the drafter's head skips the deepest depth the tree can reach",
+            "ddtree/engine/proposers.py",
+            (("hidden[:, 1 : 1 + self.depth]", "hidden[:, 1 : self.depth]"),),
+            ("tests/ddtree/engine/test_proposers.py",),
+        ),
+        Mutant(
             "capture-lets-the-collector-run",
             "a CUDA graph capture leaves Python's garbage collector on, so it may free another graph mid-capture",
             "ddtree/engine/graphs.py",
