@@ -62,6 +62,19 @@ def check_structure(tree: DraftTree, log_probs: torch.Tensor, topk: int) -> None
         assert torch.isinf(tree.log_probs[b, n + 1 :]).all()
 
 
+# Random logits: a seed, a scale (0: all equal) and rounding (many exact ties).
+LOGITS = {
+    "seed": st.integers(0, 2**31 - 1),
+    "scale": st.sampled_from([0.0, 0.5, 3.0, 30.0]),
+    "rounded": st.booleans(),
+}
+
+
+def random_logits(shape: tuple[int, int, int], seed: int, scale: float, rounded: bool) -> torch.Tensor:
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale  # [batch, depth, vocab]
+    return logits.round() if rounded else logits
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     batch=st.integers(1, 3),
@@ -69,17 +82,12 @@ def check_structure(tree: DraftTree, log_probs: torch.Tensor, topk: int) -> None
     vocab=st.integers(1, 7),
     budget=st.integers(1, 70),
     topk_frac=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**31 - 1),
-    scale=st.sampled_from([0.0, 0.5, 3.0, 30.0]),
-    rounded=st.booleans(),
+    **LOGITS,
 )
 def test_build_tree_matches_heap_reference(
     batch: int, depth: int, vocab: int, budget: int, topk_frac: float, seed: int, scale: float, rounded: bool
 ) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, depth, vocab, generator=gen) * scale
-    if rounded:  # many exact ties
-        logits = logits.round()
+    logits = random_logits((batch, depth, vocab), seed, scale, rounded)
     topk = max(1, min(vocab, budget, round(topk_frac * vocab)))
     tree = build_tree(logits, budget, topk)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -134,9 +142,7 @@ def test_build_tree_rejects_bad_arguments(budget: int, topk: int | None, message
     vocab=st.integers(1, 6),
     budget_frac=st.floats(0.0, 1.0),
     topk_frac=st.floats(0.0, 1.0),
-    seed=st.integers(0, 2**31 - 1),
-    scale=st.sampled_from([0.0, 0.5, 3.0, 30.0]),
-    rounded=st.booleans(),
+    **LOGITS,
 )
 def test_depths_past_the_budget_never_change_the_tree(
     batch: int, depth: int, vocab: int, budget_frac: float, topk_frac: float, seed: int, scale: float, rounded: bool
@@ -144,10 +150,7 @@ def test_depths_past_the_budget_never_change_the_tree(
     """The engine drafts only `reachable_depth(budget, depth)` positions: the tree must be the same without the
     deeper ones, ties (equal and zero log-probs) included."""
     budget = 1 + round(budget_frac * (depth - 2))  # 1 .. depth - 1
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, depth, vocab, generator=gen) * scale
-    if rounded:
-        logits = logits.round()
+    logits = random_logits((batch, depth, vocab), seed, scale, rounded)
     topk = max(1, min(vocab, budget, round(topk_frac * vocab)))
     reach = reachable_depth(budget, depth)
     assert reach == budget < depth
