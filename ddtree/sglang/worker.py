@@ -112,6 +112,7 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         self.ddtree = DDTreeSettings.from_env()
         self._check_start_up()
         self.window = max(int(self.block_size), self.ddtree.width)
+        self.draft_depth = reachable_depth(self.ddtree.budget, int(self.block_size) - 1)  # no node lies deeper
         DDTreeDraftInput.reserve_tokens = int(self.block_size) + self.window
         model_name = getattr(server_args, "served_model_name", None) or server_args.model_path
         self.telemetry = observe.start(str(self.device), self.ddtree.budget, self.ddtree.topk, str(model_name))
@@ -166,8 +167,7 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         with observe.stage(tel, observe.DRAFT):
             draft_plan = self._plan(batch, window[:, : self.block_size], prefix_host)
             hidden = self._draft_hidden(batch, draft_input.bonus_tokens, draft_plan, prefix_host)  # [bs, block, H]
-            depth = reachable_depth(self.ddtree.budget, int(self.block_size) - 1)  # no node lies deeper
-            draft_logits = self._draft_logits(hidden[:, 1 : 1 + depth])
+            draft_logits = self._draft_logits(hidden[:, 1 : 1 + self.draft_depth])
         with observe.stage(tel, observe.TREE_BUILD):
             tree = draft_tree(draft_logits, self.ddtree.budget, self.ddtree.topk)
             if tel is not None:
