@@ -13,12 +13,12 @@ from ddtree.tree import DraftTree, build_tree
 from tests.helpers import random_prompts, tiny_pair
 
 
-@pytest.mark.parametrize(("method", "budget", "depth"), [("ddtree", 2, 2), ("ddtree", 4, 4), ("ddtree", 9, 5)])
-def test_the_tree_is_the_one_every_drafted_depth_would_give(method: str, budget: int, depth: int) -> None:
+@pytest.mark.parametrize(("budget", "depth"), [(2, 2), (4, 4), (9, 5)])
+def test_the_tree_is_the_one_every_drafted_depth_would_give(budget: int, depth: int) -> None:
     """Block size 6 drafts 5 depths; budget 2 reaches 2 of them and budget 9 all 5. Each step's tree must equal
     the tree built from the head's logits at every depth."""
     target, drafter = tiny_pair(11, vocab=12, block_size=6)
-    session = DecodeSession(target, drafter, method, budget, None, slots=3, capacity=96)
+    session = DecodeSession(target, drafter, "ddtree", budget, None, slots=3, capacity=96)
     hidden_seen: list[torch.Tensor] = []
     built: list[tuple[torch.Tensor, DraftTree]] = []
     forward, build = drafter.forward, session.proposer.build
