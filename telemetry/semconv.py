@@ -70,6 +70,8 @@ METRIC_GPU_POWER: Final = "ddtree_gpu_power"
 METRIC_GPU_SM_CLOCK: Final = "ddtree_gpu_sm_clock"
 METRIC_GPU_TEMPERATURE: Final = "ddtree_gpu_temperature"
 METRIC_DROPPED_SPANS: Final = "ddtree_dropped_spans"
+METRIC_DROPPED_RECORDS: Final = "ddtree_telemetry_dropped_records"  # LABEL_KIND: step, request
+METRIC_EXPORT_FAILURES: Final = "ddtree_telemetry_export_failures"  # LABEL_SIGNAL: traces, metrics
 
 UNIT_SECONDS: Final = "s"
 UNIT_PERCENT: Final = "percent"
@@ -83,6 +85,10 @@ LABEL_DEPTH: Final = "depth"
 LABEL_STAGE: Final = "stage"
 LABEL_METHOD: Final = "method"
 LABEL_GPU: Final = "gpu"
+LABEL_KIND: Final = "kind"
+LABEL_SIGNAL: Final = "signal"
+DROPPED_STEP: Final = "step"  # LABEL_KIND values: a step record, a request's start or end record
+DROPPED_REQUEST: Final = "request"
 
 # The names Prometheus serves.
 PROM_STEPS_TOTAL: Final = "ddtree_steps_total"
@@ -94,6 +100,7 @@ PROM_TREE_NODES_PER_DEPTH_TOTAL: Final = "ddtree_tree_nodes_per_depth_total"
 PROM_ACCEPTANCE_LENGTH: Final = "ddtree_acceptance_length"
 PROM_TREE_NODES: Final = "ddtree_tree_nodes"
 PROM_STAGE_DURATION_SECONDS: Final = "ddtree_stage_duration_seconds"
+PROM_DROPPED_RECORDS_TOTAL: Final = "ddtree_telemetry_dropped_records_total"
 
 # The HTTP server's metrics (`ddtree serve`, prometheus_client on the server's own /metrics): names as
 # scraped.
@@ -143,7 +150,10 @@ EVENT_REQUEST: Final = "ddtree.request"
 EVENT_TELEMETRY: Final = "ddtree.telemetry"
 FIELD_STEP: Final = "step"
 FIELD_METHOD: Final = "method"
-FIELD_BATCH_SIZE: Final = "batch_size"
+FIELD_ACTIVE_REQUESTS: Final = "active_requests"  # requests that decoded in the step (len of request_ids)
+FIELD_ROWS: Final = "rows"  # rows the step ran: slots 0..rows-1, free and finished ones included
+FIELD_BATCH_SIZE: Final = "batch_size"  # logs written before `active_requests` and `rows`: read only
+FIELD_WARMUP: Final = "warmup"  # the step carried compilation or graph capture: not steady-state work
 FIELD_BUDGET: Final = "budget"
 FIELD_TOPK: Final = "topk"
 FIELD_TREE_NODES: Final = "tree_nodes"
@@ -162,6 +172,16 @@ FIELD_MEAN_ACCEPTANCE: Final = "mean_acceptance_length"
 FIELD_FINISH_REASON: Final = "finish_reason"
 FIELD_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"  # content: only with DDTREE_LOG_CONTENT=1
 FIELD_OUTPUT_TOKEN_IDS: Final = "output_token_ids"  # content: only with DDTREE_LOG_CONTENT=1
+
+# `ddtree.telemetry` lines that account for records telemetry dropped (a sink that could not keep up).
+FIELD_DROPPED_STEPS: Final = "dropped_steps"  # how many step records were dropped since the last such line
+FIELD_DROPPED_STEP_IDS: Final = "dropped_step_ids"  # their session step indices
+FIELD_DROPPED_REQUESTS: Final = "dropped_requests"  # request records (start or end) dropped
+FIELD_DROPPED_REQUEST_IDS: Final = "dropped_request_ids"
+FIELD_DROPPED_TOTAL: Final = "dropped_total"  # records dropped since telemetry started, all kinds
+FIELD_EXPORT_SIGNAL: Final = "signal"  # export failure lines: traces or metrics
+FIELD_EXPORT_ENDPOINT: Final = "endpoint"
+FIELD_EXPORT_CAUSE: Final = "cause"
 
 # Replay and analysis fields (`ddtree advise`, `ddtree analyze`).
 FIELD_START_NS: Final = "start_ns"  # step start, wall-clock ns since the epoch
