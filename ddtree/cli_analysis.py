@@ -85,6 +85,7 @@ def _analyze(args: argparse.Namespace) -> int:
     table = format_table(groups)
     print(table)
     print(advice(groups))
+    print(f"completeness: {digest.completeness().line()}")
     counts = digest.counts
     print(f"{counts.lines} lines: {counts.steps} steps, {counts.requests} requests, {counts.bad} bad lines")
     if args.out:
@@ -110,10 +111,7 @@ def _advise(args: argparse.Namespace) -> int:
     digest = _digest(args.log)
     try:
         result = advise(digest, cost)
-    except ValueError as exc:
-        hint = (
-            "" if args.cost else " (log runs at two or more budgets, or pass --cost from `ddtree bench --cost-curve`)"
-        )
-        raise UserError(f"{exc}{hint}") from exc
+    except ValueError as exc:  # IncompleteLog among them: too few of the run's steps were logged
+        raise UserError(str(exc)) from exc
     print(json.dumps(result) if args.json else format_advice(result))
     return 0

@@ -1,6 +1,6 @@
 """`ddtree advise`: the budget and top-k with the best predicted tokens/s, from one logged run.
 
-predicted tokens/s (B', k') = requests per step x replayed tau (B', k') / step time (B')
+predicted tokens/s (B', k') = active requests per step x replayed tau (B', k') / step time (B')
 
 The replayed tau comes from `telemetry.replay` over the run with the largest budget. The step time against
 the budget is a cost curve: measured by `ddtree bench --cost-curve FILE` (wall time per step), or taken from
@@ -8,7 +8,23 @@ the log itself (the stage times of each ddtree budget it holds; two budgets at l
 costs less, so the measured times are first made non-decreasing in the budget (neighbours that disagree are
 pooled: isotonic regression), then interpolated linearly between budgets; below the smallest measured
 budget the time is that budget's (no extrapolation towards zero), and beyond the largest it grows along the
-last segment. A top-k cap changes the tree's shape, not its size, so the curve does not depend on it.
+last segment. A top-k cap changes the tree's shape, not its size, so the curve does not depend on it. A log
+with one budget and no `--cost` has no curve: advise then gives the replayed tau table alone (no tokens/s,
+no recommendation).
+
+What the figures rest on, and how sure they are:
+- each prediction names the request-steps its tau is replayed over (every replayed step without a cap, the
+  steps with node ranks under one) and the requests behind them. Its interval is a bootstrap over requests
+  (`telemetry.replay`: 1000 resamples, seeded, 95%); the tokens/s interval is the tau interval times the same
+  (active requests / step time), the step time being taken as measured.
+- measured tokens/s is the steady steps' own tokens over their own durations (warm-up steps, which carried
+  compilation or graph capture, left out), the time the log's cost curve is made of: like against like.
+  A measured run on other requests than the replayed one is marked so: its tau differs by its prompts too.
+- completeness: the share of the replayed configuration's request-steps that have step lines (its request
+  lines say how many there were), and of step records the telemetry did not report dropped, the smaller of
+  the two. Below `WARN_BELOW` (99%) the advice carries a warning. Below `REFUSE_BELOW` (90%) it is refused
+  (`IncompleteLog`; the CLI exits with status 2): the replay keeps only requests whose every step was seen,
+  and at a tenth of the steps missing those are a selection (short requests lose fewer), not the run.
 """
 
 from __future__ import annotations
@@ -18,11 +34,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from telemetry.analysis import ConfigStats
-from telemetry.digest import Digest
+from telemetry.analysis import Completeness, ConfigStats, warmup_note
+from telemetry.digest import Digest, Key
 from telemetry.replay import ReplayTable
 
 MIN_EXACT_SHARE = 0.9  # a (B', k') whose replay is a lower bound on more steps than this is not recommended
+WARN_BELOW = 0.99  # completeness share under which the advice warns
+REFUSE_BELOW = 0.90  # and under which it is refused
+NO_COST = "no cost curve: the log has ddtree steps at one budget; pass --cost FILE (`ddtree bench --cost-curve FILE`)"
+
+
+class IncompleteLog(ValueError):
+    """Too few of the run's steps are in the log to advise on."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +89,12 @@ def non_decreasing(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
-def cost_from_log(configs: list[ConfigStats]) -> CostCurve:
-    """The log's own curve: stage time per step of each ddtree budget that ran."""
-    return cost_curve([(g.budget, g.step_ms) for g in configs if g.method == "ddtree" and g.steps], "the log")
+def cost_from_log(configs: list[ConfigStats]) -> CostCurve | None:
+    """The log's own curve: the mean steady step time of each ddtree budget that ran; None with fewer than two."""
+    points = [(g.budget, g.step_ms) for g in configs if g.method == "ddtree" and g.timed_steps and g.step_ms > 0]
+    if len({b for b, _ in points}) < 2:
+        return None
+    return cost_curve(points, "the log (steady steps)")
 
 
 def read_cost(path: Path) -> CostCurve:
@@ -92,40 +118,88 @@ class Prediction:
     budget: int
     topk: int | None
     predicted_tau: float
-    predicted_tokens_per_second: float
+    predicted_tokens_per_second: float | None  # None without a cost curve
     exact_share: float  # steps whose replay is exact, not a lower bound
+    request_steps: int  # the replayed request-steps the tau rests on
+    requests: int
+    tau_interval: tuple[float, float] | None = None  # bootstrap over requests
+    tokens_per_second_interval: tuple[float, float] | None = None
 
 
-def predict(table: ReplayTable, rows_per_step: float, cost: CostCurve) -> list[Prediction]:
+def predict(table: ReplayTable, active_per_step: float, cost: CostCurve | None) -> list[Prediction]:
+    configs = [
+        (budget, topk)
+        for topk in (None, *table.topks)
+        for budget in range(1, table.budget + 1)
+        if table.tau(budget, topk) is not None and (topk is None or topk < budget)
+    ]
     out = []
-    for topk in (None, *table.topks):
-        for budget in range(1, table.budget + 1):
-            tau = table.tau(budget, topk)
-            if tau is None or (topk is not None and topk >= budget):
-                continue
-            speed = rows_per_step * tau / cost.step_ms(budget) * 1000
-            out.append(Prediction(budget, topk, tau, speed, table.exact_share(budget, topk)))
+    for (budget, topk), interval in zip(configs, table.bootstrap(configs), strict=True):
+        tau = table.tau(budget, topk)
+        assert tau is not None
+        per_tau = active_per_step / cost.step_ms(budget) * 1000 if cost is not None else None
+        speed = per_tau * tau if per_tau is not None else None
+        speeds = (interval[0] * per_tau, interval[1] * per_tau) if interval and per_tau is not None else None
+        steps = table.steps if topk is None else table.ranked_steps
+        share = table.exact_share(budget, topk)
+        out.append(Prediction(budget, topk, tau, speed, share, steps, table.requests, interval, speeds))
     return out
 
 
-def recommend(predictions: list[Prediction]) -> Prediction:
-    trusted = [p for p in predictions if p.exact_share >= MIN_EXACT_SHARE] or predictions
-    return max(trusted, key=lambda p: (p.predicted_tokens_per_second, -p.budget))
+def recommend(predictions: list[Prediction]) -> Prediction | None:
+    """The most tokens/s among the trusted predictions; None without tokens/s (no cost curve)."""
+    timed = [p for p in predictions if p.predicted_tokens_per_second is not None]
+    trusted = [p for p in timed if p.exact_share >= MIN_EXACT_SHARE] or timed
+    return max(trusted, key=lambda p: (p.predicted_tokens_per_second or 0.0, -p.budget), default=None)
+
+
+def check_complete(completeness: Completeness) -> list[str]:
+    """Warnings for a log below `WARN_BELOW`; IncompleteLog below `REFUSE_BELOW`."""
+    share = completeness.share
+    if share is None or share >= WARN_BELOW:
+        return []
+    if share < REFUSE_BELOW:
+        raise IncompleteLog(
+            f"the log is too incomplete to advise on: {completeness.line()}; the telemetry lost "
+            f"{1 - share:.1%} of the run (advise needs {REFUSE_BELOW:.0%}): rerun with a faster sink"
+        )
+    return [f"incomplete log: {completeness.line()} (under {WARN_BELOW:.0%}): the replay is over the complete requests"]
 
 
 def advise(digest: Digest, cost: CostCurve | None = None) -> dict[str, Any]:
     """The predictions, the recommendation, and predicted against measured for the ddtree configurations
-    in the log. Raises ValueError when the log has no accepted paths or no cost curve can be made."""
+    in the log. Raises ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
     source = digest.replay_source()
     if source is None:
         raise ValueError("the log has no ddtree request lines with accepted paths to replay")
     key, table = source
+    completeness = digest.completeness(key)
+    warnings = check_complete(completeness)
     configs = digest.sorted_configs()
     cost = cost or cost_from_log(configs)
     logged = digest.configs.get(key)
-    rows = logged.request_steps / logged.steps if logged and logged.steps else 1.0
-    predictions = predict(table, rows, cost)
+    predictions = predict(table, logged.active_per_step if logged and logged.steps else 1.0, cost)
     best = recommend(predictions)
+    return {
+        "source": {
+            "budget": key[1],
+            "topk": key[2],
+            "steps": table.steps,
+            "ranked_steps": table.ranked_steps,
+            "requests": table.requests,
+        },
+        "completeness": {"share": completeness.share, "text": completeness.line()},
+        "warnings": warnings + ([warmup_note(configs)] if warmup_note(configs) else []),
+        "cost": None
+        if cost is None
+        else {"source": cost.source, "points": [{"budget": b, "step_ms": ms} for b, ms in cost.points]},
+        "configs": [asdict(p) for p in predictions],
+        "recommended": None if best is None else asdict(best),
+        "measured": _measured(digest, key, configs, predictions),
+    }
+
+
+def _measured(digest: Digest, key: Key, configs: list[ConfigStats], predictions: list[Prediction]) -> list[Any]:
     by_config = {(p.budget, p.topk): p for p in predictions}
     measured = []
     for g in configs:
@@ -135,42 +209,77 @@ def advise(digest: Digest, cost: CostCurve | None = None) -> dict[str, Any]:
                 {
                     "budget": g.budget,
                     "topk": g.topk,
+                    "same_requests": digest.same_requests(key, (g.method, g.budget, g.topk)),
+                    "steady_steps": g.timed_steps,
+                    "warmup_steps": g.warmup_steps,
                     "measured_tau": g.tau,
-                    "measured_tokens_per_second": g.tokens_per_second,
+                    "measured_tokens_per_second": g.tokens_per_second if g.timed_steps else None,
                     "predicted_tau": p.predicted_tau,
                     "predicted_tokens_per_second": p.predicted_tokens_per_second,
                 }
             )
-    return {
-        "source": {"budget": key[1], "topk": key[2], "steps": table.steps, "ranked_steps": table.ranked_steps},
-        "cost": {"source": cost.source, "points": [{"budget": b, "step_ms": ms} for b, ms in cost.points]},
-        "configs": [asdict(p) for p in predictions],
-        "recommended": {"budget": best.budget, "topk": best.topk},
-        "measured": measured,
-    }
+    return measured
+
+
+def _span(interval: Any, digits: int) -> str:
+    return "-" if interval is None else f"{interval[0]:.{digits}f}-{interval[1]:.{digits}f}"
+
+
+def _row(p: dict[str, Any]) -> str:
+    topk = "-" if p["topk"] is None else p["topk"]
+    speed = p["predicted_tokens_per_second"]
+    return (
+        f"{p['budget']:>7}{topk:>6}{p['predicted_tau']:>8.2f}{_span(p['tau_interval'], 2):>13}"
+        f"{'-' if speed is None else f'{speed:.1f}':>10}{_span(p['tokens_per_second_interval'], 1):>17}"
+        f"{p['request_steps']:>10}{p['exact_share']:>8.0%}"
+    )
+
+
+def _shown(result: dict[str, Any], top: int) -> list[dict[str, Any]]:
+    """The rows to print: the fastest `top`; without tokens/s, budgets 1, 2, 4, ... uncapped and the caps at
+    the logged budget."""
+    configs = result["configs"]
+    if result["cost"] is not None:
+        return sorted(configs, key=lambda p: -p["predicted_tokens_per_second"])[:top]
+    logged = result["source"]["budget"]
+    grid = {1 << i for i in range(logged.bit_length())} | {logged}
+    return [p for p in configs if (p["topk"] is None and p["budget"] in grid) or p["budget"] == logged]
 
 
 def format_advice(result: dict[str, Any], top: int = 10) -> str:
     src = result["source"]
+    cost = result["cost"]
     lines = [
-        f"replayed from ddtree B={src['budget']} ({src['steps']} request-steps, {src['ranked_steps']} with node ranks);"
-        f" step time from {result['cost']['source']}",
-        f"{'budget':>7}{'topk':>6}{'tau':>8}{'tok/s':>10}{'exact':>8}",
+        f"replayed from ddtree B={src['budget']}: {src['steps']} request-steps of {src['requests']} requests, "
+        f"{src['ranked_steps']} with node ranks; {result['completeness']['text']}",
+        f"step time from {cost['source']}" if cost is not None else NO_COST,
+        *(f"warning: {w}" for w in result["warnings"]),
+        f"{'budget':>7}{'topk':>6}{'tau':>8}{'tau 95%':>13}{'tok/s':>10}{'tok/s 95%':>17}{'req-steps':>10}{'exact':>8}",
+        *(_row(p) for p in _shown(result, top)),
     ]
-    ranked = sorted(result["configs"], key=lambda p: -p["predicted_tokens_per_second"])[:top]
-    for p in ranked:
-        topk = "-" if p["topk"] is None else p["topk"]
-        lines.append(
-            f"{p['budget']:>7}{topk:>6}{p['predicted_tau']:>8.2f}{p['predicted_tokens_per_second']:>10.1f}"
-            f"{p['exact_share']:>8.0%}"
-        )
     if result["measured"]:
-        lines.append("predicted against measured (tau, tokens/s):")
-        for m in result["measured"]:
-            lines.append(
-                f"  B={m['budget']} topk={m['topk']}: tau {m['predicted_tau']:.2f} vs {m['measured_tau']:.2f}, "
-                f"{m['predicted_tokens_per_second']:.1f} vs {m['measured_tokens_per_second']:.1f} tokens/s"
-            )
+        lines.append("predicted against measured (tau, tokens/s of the steady steps):")
+    for m in result["measured"]:
+        speeds = ""
+        if m["predicted_tokens_per_second"] is not None and m["measured_tokens_per_second"] is not None:
+            speeds = f", {m['predicted_tokens_per_second']:.1f} vs {m['measured_tokens_per_second']:.1f} tokens/s"
+        other = "" if m["same_requests"] else " (measured on other requests)"
+        lines.append(
+            f"  B={m['budget']} topk={m['topk']}: tau {m['predicted_tau']:.2f} vs {m['measured_tau']:.2f}{speeds}"
+            f"{other}"
+        )
     rec = result["recommended"]
-    lines.append(f"recommended: --budget {rec['budget']}" + (f" --topk {rec['topk']}" if rec["topk"] else ""))
+    if rec is not None:
+        lines.append(recommendation_line(rec))
     return "\n".join(lines)
+
+
+def recommendation_line(rec: dict[str, Any]) -> str:
+    """'recommended: --budget 8 --topk 2 (predicted 412.0 tokens/s, 95% 398.1-425.3, over 480 request-steps)'."""
+    flags = f"--budget {rec['budget']}" + (f" --topk {rec['topk']}" if rec["topk"] else "")
+    interval = rec["tokens_per_second_interval"]
+    spread = f", 95% {_span(interval, 1)}" if interval is not None else ", no interval (one request)"
+    return (
+        f"recommended: {flags} (predicted {rec['predicted_tokens_per_second']:.1f} tokens/s{spread}, "
+        f"tau {rec['predicted_tau']:.2f}, over {rec['request_steps']} request-steps of {rec['requests']} requests)"
+    )

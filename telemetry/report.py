@@ -2,6 +2,13 @@
 
 matplotlib draws through its Agg canvas (`Figure`, no pyplot), so no display or GUI backend is needed. Every
 plot has one figure size, `FIGSIZE` inches at `DPI`.
+
+- tokens per second over time: one line per configuration, a point per steady step (its emitted tokens over
+  its own duration; a merged point in long runs, see `digest.StepSeries`), broken where the engine sat idle;
+  warm-up steps are ticks on the time axis, not points.
+- predicted tau: the replay's curves; a measured tau is a black cross only where it was measured on the
+  same requests as the replay (same ids, or same prompts where logged), a grey circle otherwise.
+- the report states how complete the log is and carries `ddtree advise`'s recommendation with its interval.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from telemetry import semconv as sc
+from telemetry.advise import NO_COST, advise, recommendation_line
 from telemetry.digest import RELIABILITY_BINS, Digest
 
 FIGSIZE = (8.0, 4.5)
@@ -92,38 +100,57 @@ def _predicted(ax: Axes, d: Digest) -> None:
             pts = [(b, t) for b, t in zip(budgets, taus, strict=True) if t is not None]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label="no cap" if topk is None else f"top-k {topk}")
-        for g in d.sorted_configs():
-            if g.method == "ddtree":
-                ax.scatter([g.budget], [g.tau], marker="x", color="black", zorder=3)
+        _measured_taus(ax, d)
     ax.set_xlabel("budget B (draft nodes)")
     ax.set_xscale("log", base=2)
-    ax.set_ylabel("tau (replayed; x: measured)")
+    ax.set_ylabel("tau (replayed; x: measured on the same requests)")
     ax.set_title("Predicted tau against budget")
+
+
+def _measured_taus(ax: Axes, d: Digest) -> None:
+    """Measured tau per ddtree configuration: a cross where the requests are the replay's, a circle elsewhere."""
+    source = d.replay_source()
+    same: list[tuple[int, float]] = []
+    other: list[tuple[int, float]] = []
+    for g in d.sorted_configs():
+        if g.method == "ddtree" and source is not None:
+            on_same = d.same_requests(source[0], (g.method, g.budget, g.topk))
+            (same if on_same else other).append((g.budget, g.tau))
+    if same:
+        xs, ys = zip(*same, strict=True)
+        ax.scatter(xs, ys, marker="x", color="black", zorder=3, label="measured, same requests")
+    if other:
+        xs, ys = zip(*other, strict=True)
+        ax.scatter(xs, ys, marker="o", facecolors="none", edgecolors="grey", zorder=3, label="measured, other requests")
 
 
 def _stages(ax: Axes, d: Digest) -> None:
     groups = d.sorted_configs()
     bottom = [0.0] * len(groups)
     for stage in sc.STAGES:
-        ms = [g.stage_ms.get(stage, 0.0) / max(g.steps, 1) for g in groups]
+        ms = [g.stage_mean_ms(stage) for g in groups]
         ax.bar([g.label for g in groups], ms, bottom=bottom, label=stage)
         bottom = [b + m for b, m in zip(bottom, ms, strict=True)]
     ax.set_xlabel("configuration")
-    ax.set_ylabel("ms per step")
-    ax.set_title("Stage times")
+    ax.set_ylabel("ms per steady step")
+    ax.set_title("Stage times (warm-up steps left out)")
 
 
 def _throughput(ax: Axes, d: Digest) -> None:
-    xs, ys = d.tokens.points(mean=False, since_ns=_since(d))
-    ax.plot(xs, [y[0] for y in ys], drawstyle="steps-post")
+    since = d.first_ns()
+    for g in d.sorted_configs():
+        series = d.series.get((g.method, g.budget, g.topk))
+        if series is None:
+            continue
+        xs, ys = series.rates(since)
+        line = ax.plot(xs, ys, marker="." if len(xs) < 200 else None, label=g.label)
+        if series.warmup_ns:
+            ticks = [(t - since) / 1e9 for t in series.warmup_ns]
+            color = line[0].get_color()
+            ax.scatter(ticks, [0.0] * len(ticks), marker="|", s=200, color=color, label=f"{g.label} warm-up")
     ax.set_xlabel("seconds since the first step")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel("tokens/s (each step's tokens / its duration)")
     ax.set_title("Tokens per second over time")
-
-
-def _since(d: Digest) -> int:
-    origins = [s.origin_ns for s in (d.tokens, *d.gpu.values()) if s.origin_ns is not None]
-    return min(origins, default=0)
 
 
 PLOTS: dict[str, Plot] = {
@@ -141,7 +168,7 @@ def _gpu_figure(d: Digest) -> Figure:
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     axes = fig.subplots(3, 1, sharex=True)
     for gpu, series in sorted(d.gpu.items()):
-        xs, ys = series.points(mean=True, since_ns=_since(d))
+        xs, ys = series.means(since_ns=d.first_ns())
         for ax, i, scale in zip(axes, range(3), (1.0, 2**-30, 1.0), strict=True):
             ax.plot(xs, [y[i] * scale for y in ys], label=f"gpu {gpu}")
     for ax, label in zip(axes, ("utilisation %", "memory GiB", "power W"), strict=True):
@@ -155,6 +182,7 @@ def write_report(digest: Digest, out: Path, table: str) -> list[Path]:
     """Write summary.json, the plots and report.html under `out`; return the files written."""
     out.mkdir(parents=True, exist_ok=True)
     summary = digest.summary()
+    summary["advice"] = _advice(digest)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     figures: dict[str, Figure] = {}
     for name, plot in PLOTS.items():
@@ -177,6 +205,16 @@ def write_report(digest: Digest, out: Path, table: str) -> list[Path]:
     return [out / "summary.json", *images, html_path]
 
 
+def _advice(digest: Digest) -> dict[str, Any]:
+    """`ddtree advise` on the log with its own cost curve, and the line the report prints; the reason if not."""
+    try:
+        result = advise(digest)
+    except ValueError as exc:
+        return {"text": f"no recommendation: {exc}"}
+    rec = result["recommended"]
+    return result | {"text": recommendation_line(rec) if rec is not None else f"no recommendation: {NO_COST}"}
+
+
 def _html(summary: dict[str, Any], table: str, images: list[Path]) -> str:
     lines = summary["lines"]
     parts = [
@@ -185,8 +223,10 @@ def _html(summary: dict[str, Any], table: str, images: list[Path]) -> str:
         "<h1>ddtree analyze</h1>",
         f"<p>{lines['steps']} step lines, {lines['requests']} request lines, {lines['bad']} bad lines "
         f"of {lines['lines']}.</p>",
+        f"<p>{html.escape(summary['completeness']['text'])}</p>",
         f"<pre>{html.escape(table)}</pre>",
         f"<p>{html.escape(summary['fastest'])}</p>",
+        f"<p>{html.escape(summary['advice']['text'])}</p>",
     ]
     for path in images:
         data = base64.b64encode(path.read_bytes()).decode("ascii")

@@ -4,6 +4,10 @@ nested inside it on the same track, one track per configuration.
 
 A step line has its start time (`start_ns`) and its stages' durations; the stages run back to back from the
 step's start, as the collector marks them. Events are written as they are read, so memory stays flat.
+
+A step's args say how many requests decoded in it (`active_requests`) and how many rows it ran (`rows`,
+padded; absent from old logs, whose `batch_size` is passed on under its own name). A warm-up step (it
+carried compilation or graph capture) is in category `ddtree,warmup` and named so.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 from typing import IO, Any
 
 from telemetry import semconv as sc
-from telemetry.analysis import ConfigStats
+from telemetry.analysis import ConfigStats, active_requests, is_warmup, rows
 
 
 class TraceEventWriter:
@@ -35,18 +39,15 @@ class TraceEventWriter:
         stages = record[sc.FIELD_STAGE_MS]
         end_ns = record.get(sc.FIELD_END_NS)
         total_us = (end_ns / 1000 - start_us) if isinstance(end_ns, int) else sum(stages.values()) * 1000
-        args = {
-            "step": record.get(sc.FIELD_STEP),
-            "batch_size": record.get(sc.FIELD_BATCH_SIZE),
-            "accepted_drafts": record.get(sc.FIELD_ACCEPTED_DRAFTS),
-            "tree_nodes": record.get(sc.FIELD_TREE_NODES),
-            "request_ids": record.get(sc.FIELD_REQUEST_IDS),
-        }
-        self._write(_complete(sc.SPAN_STEP, start_us, total_us, tid, args))
+        warmup = is_warmup(record)
+        args = _step_args(record) | {sc.FIELD_WARMUP: warmup}
+        category = "ddtree,warmup" if warmup else "ddtree"
+        name = f"{sc.SPAN_STEP} (warm-up)" if warmup else sc.SPAN_STEP
+        self._write(_complete(name, start_us, total_us, tid, args, category))
         at = start_us
         for stage in sc.STAGES:
             if stage in stages:
-                self._write(_complete(sc.stage_span_name(stage), at, stages[stage] * 1000, tid, {}))
+                self._write(_complete(sc.stage_span_name(stage), at, stages[stage] * 1000, tid, {}, category))
                 at += stages[stage] * 1000
 
     def close(self) -> None:
@@ -57,10 +58,26 @@ class TraceEventWriter:
         self.events += 1
 
 
-def _complete(name: str, ts_us: float, dur_us: float, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+def _step_args(record: dict[str, Any]) -> dict[str, Any]:
+    args = {
+        sc.FIELD_STEP: record.get(sc.FIELD_STEP),
+        sc.FIELD_ACTIVE_REQUESTS: active_requests(record),
+        sc.FIELD_ROWS: rows(record),
+        sc.FIELD_ACCEPTED_DRAFTS: record.get(sc.FIELD_ACCEPTED_DRAFTS),
+        sc.FIELD_TREE_NODES: record.get(sc.FIELD_TREE_NODES),
+        sc.FIELD_REQUEST_IDS: record.get(sc.FIELD_REQUEST_IDS),
+    }
+    if sc.FIELD_BATCH_SIZE in record:  # a log written before `active_requests` and `rows`
+        args[sc.FIELD_BATCH_SIZE] = record[sc.FIELD_BATCH_SIZE]
+    return args
+
+
+def _complete(
+    name: str, ts_us: float, dur_us: float, tid: int, args: dict[str, Any], category: str = "ddtree"
+) -> dict[str, Any]:
     return {
         "name": name,
-        "cat": "ddtree",
+        "cat": category,
         "ph": "X",
         "ts": ts_us,
         "dur": max(dur_us, 0.0),

@@ -158,8 +158,8 @@ def test_advise_with_a_cost_file_and_its_errors(
     assert main(["advise", str(path), "--cost", str(cost), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     best_tau = max(c["predicted_tau"] for c in result["configs"] if c["exact_share"] >= 0.9)
-    rec = next(c for c in result["configs"] if (c["budget"], c["topk"]) == tuple(result["recommended"].values()))
-    assert rec["predicted_tau"] == pytest.approx(best_tau)
+    rec = result["recommended"]
+    assert rec in result["configs"] and rec["predicted_tau"] == pytest.approx(best_tau)
     rows = result["source"]["steps"] / _steps_of(path, 16)  # requests per step of the replayed run
     for c in result["configs"]:  # flat cost: tokens/s is requests per step x tau per millisecond
         assert c["predicted_tokens_per_second"] == pytest.approx(rows * c["predicted_tau"] * 1000)
@@ -169,10 +169,6 @@ def test_advise_with_a_cost_file_and_its_errors(
     cost.write_text('{"points": [{"budget": 4, "step_ms": 2.0}]}')
     assert main(["advise", str(path), "--cost", str(cost)]) == 2
     assert "two or more budgets" in capsys.readouterr().err
-    one = tmp_path / "one.jsonl"
-    one.write_text("\n".join(line for line in path.read_text().splitlines() if '"budget": 4' not in line))
-    assert main(["advise", str(one)]) == 2
-    assert "--cost" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
