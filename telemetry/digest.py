@@ -201,7 +201,7 @@ class Digest:
     replays: dict[Key, ReplayTable] = field(default_factory=dict)
     waiting: OrderedDict[tuple[str, int], tuple[list[int], list[float] | None]] = field(default_factory=OrderedDict)
     dropped_detail: int = 0
-    open: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # request -> [steps seen, lengths]
+    open: OrderedDict[tuple[Key, str], list[int]] = field(default_factory=OrderedDict)  # -> [steps seen, lengths]
     evicted: list[int] = field(default_factory=lambda: [0, 0])  # [requests, request-steps] pushed out of `open`
     dropped: Dropped = field(default_factory=Dropped)
     unmatched: RequestTally = field(default_factory=RequestTally)  # request lines of configurations with no steps
@@ -234,7 +234,7 @@ class Digest:
             self.series.setdefault(key, StepSeries()).add(start, end, sum(s.get(sc.FIELD_EMITTED, [])), is_warmup(s))
         ids = s.get(sc.FIELD_REQUEST_IDS) or []
         for rid, accepted in zip(ids, s[sc.FIELD_ACCEPTED_DRAFTS], strict=False):
-            self._seen(rid, accepted + 1)
+            self._seen(key, rid, accepted + 1)
         ranks = s.get(sc.FIELD_NODE_RANKS)
         if ranks is None:
             return
@@ -245,13 +245,14 @@ class Digest:
             self.waiting.popitem(last=False)
             self.dropped_detail += 1
 
-    def _seen(self, request_id: Any, length: int) -> None:
-        """A step line that lists the request (its acceptance length in the step)."""
+    def _seen(self, key: Key, request_id: Any, length: int) -> None:
+        """A step line of configuration `key` that lists the request (its acceptance length in the step). Runs
+        of other configurations may reuse the request's id: entries are per configuration."""
         if not isinstance(request_id, str) or not request_id:
             return  # unnamed requests cannot be told apart
-        entry = self.open.get(request_id)
+        entry = self.open.get((key, request_id))
         if entry is None:
-            entry = self.open[request_id] = [0, 0]
+            entry = self.open[key, request_id] = [0, 0]
             if len(self.open) > MAX_OPEN_REQUESTS:
                 _, (steps, _) = self.open.popitem(last=False)
                 self.evicted[0] += 1
@@ -264,7 +265,7 @@ class Digest:
         rid, steps = r.get(sc.FIELD_REQUEST_ID), r.get(sc.FIELD_STEPS)
         self.identities.setdefault(key, RequestSet()).add(rid, r.get(sc.FIELD_PROMPT_TOKEN_IDS))
         if isinstance(rid, str) and rid and isinstance(steps, int):
-            seen, lengths = self.open.pop(rid, [0, 0])
+            seen, lengths = self.open.pop((key, rid), [0, 0])
             mean = r.get(sc.FIELD_MEAN_ACCEPTANCE)
             tally = self.configs[key].requests if key in self.configs else self.unmatched
             tally.add(steps, mean if isinstance(mean, (int, float)) else None, seen, lengths)
