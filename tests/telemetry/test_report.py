@@ -4,6 +4,7 @@ on logs of real runs of a tiny pair."""
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import re
@@ -191,3 +192,134 @@ def test_the_cost_curve_never_falls_and_does_not_extrapolate_below_its_first_bud
         cost_curve([(4, 1.0), (4, 2.0)], "test")
     with pytest.raises(ValueError, match="positive step time"):
         cost_curve([(4, 1.0), (8, 0.0)], "test")
+
+
+SAME, OTHER = [f"r{i}" for i in range(4)], [f"s{i}" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The lines of ddtree B=16 and B=4 on the same four requests (ids r0..r3), and B=8 on other ones."""
+    log = io.StringIO()
+    sink = LogSink(make_logger(TelemetryConfig(), log), tree_share=0.5)
+    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu", tree_detail=True))
+    for budget, ids, seed in ((16, SAME, 4), (4, SAME, 4), (8, OTHER, 5)):
+        prompts = random_prompts(seed, len(ids), vocab=12)
+        engine.generate(prompts, GenerationConfig(budget=budget, max_new_tokens=16), request_ids=ids)
+    return [json.loads(line) for line in log.getvalue().splitlines()]
+
+
+def _digest_of(lines: list[dict[str, Any]]) -> Digest:
+    digest = Digest()
+    for record in iter_records([json.dumps(x) for x in lines], digest.counts):
+        digest.add(record)
+    return digest
+
+
+def _write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_tokens_per_second_is_each_steps_own_one_line_per_configuration_broken_at_gaps(
+    three: list[dict[str, Any]],
+) -> None:
+    """B=4's second half is moved 30 s later (idle time between runs) and B=16's first step is a warm-up: the
+    plot's lines, read back from the Axes, hold each steady step's tokens over its own duration."""
+    lines = [dict(x) for x in three]
+    steps = {b: [x for x in lines if x["event"] == sc.EVENT_STEP and x[sc.FIELD_BUDGET] == b] for b in (4, 8, 16)}
+    moved = steps[4][len(steps[4]) // 2 :]
+    for s in moved:
+        s[sc.FIELD_START_NS] += 30 * 10**9
+        s[sc.FIELD_END_NS] += 30 * 10**9
+    steps[16][0][sc.FIELD_WARMUP] = True
+    digest = _digest_of(lines)
+    ax = Figure().add_subplot()
+    PLOTS["tokens_per_second"](ax, digest)
+    plotted = {line.get_label(): line for line in ax.get_lines()}
+    assert set(plotted) == {g.label for g in digest.sorted_configs()}
+    since = min(x[sc.FIELD_START_NS] for x in lines if x["event"] == sc.EVENT_STEP)
+    for g in digest.sorted_configs():
+        xs, ys = (np.asarray(v, dtype=float) for v in plotted[g.label].get_data())
+        steady = [s for s in steps[g.budget] if not s.get(sc.FIELD_WARMUP)]
+        want = [sum(s[sc.FIELD_EMITTED]) / (s[sc.FIELD_END_NS] - s[sc.FIELD_START_NS]) * 1e9 for s in steady]
+        assert ys[np.isfinite(ys)] == pytest.approx(want)
+        assert xs[np.isfinite(xs)] == pytest.approx([(s[sc.FIELD_START_NS] - since) / 1e9 for s in steady])
+    xs, ys = (np.asarray(v, dtype=float) for v in plotted["ddtree B=4"].get_data())
+    cut = (moved[0][sc.FIELD_START_NS] - since) / 1e9
+    first = int(np.flatnonzero(np.isclose(xs, cut))[0])  # the first moved step
+    assert np.isnan(ys[first - 1]) and xs[first - 2] < cut - 29  # no line across the idle 30 s
+    warm = [c for c in ax.collections if c.get_label() == "ddtree B=16 warm-up"]
+    assert len(warm) == 1 and np.asarray(warm[0].get_offsets())[:, 0].tolist() == pytest.approx(
+        [(steps[16][0][sc.FIELD_START_NS] - since) / 1e9]
+    )
+
+
+def test_predicted_tau_marks_as_measured_only_runs_on_the_replays_requests(three: list[dict[str, Any]]) -> None:
+    digest = _digest_of(three)
+    ax = Figure().add_subplot()
+    PLOTS["predicted_tau"](ax, digest)
+    points = {c.get_label(): sorted(np.asarray(c.get_offsets())[:, 0].tolist()) for c in ax.collections}
+    assert points == {"measured, same requests": [4.0, 16.0], "measured, other requests": [8.0]}
+    by_budget = {g.budget: g.tau for g in digest.sorted_configs()}
+    same = next(c for c in ax.collections if c.get_label() == "measured, same requests")
+    assert sorted(np.asarray(same.get_offsets())[:, 1].tolist()) == pytest.approx(sorted([by_budget[4], by_budget[16]]))
+
+
+def test_advise_shows_the_request_steps_and_a_seeded_bootstrap_interval_of_each_prediction(
+    three: list[dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    path = _write_lines(tmp_path / "three.jsonl", three)
+    assert main(["advise", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert main(["advise", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == result  # seeded: the same intervals every time
+    src = result["source"]
+    assert src["budget"] == 16 and src["requests"] == len(SAME)
+    for c in result["configs"]:
+        assert c["request_steps"] == (src["steps"] if c["topk"] is None else src["ranked_steps"])
+        assert c["requests"] == len(SAME)
+        low, high = c["tau_interval"]
+        assert low <= c["predicted_tau"] + 1e-9 and c["predicted_tau"] <= high + 1e-9
+        speed_low, speed_high = c["tokens_per_second_interval"]
+        assert speed_low <= c["predicted_tokens_per_second"] * (1 + 1e-9) <= speed_high * (1 + 1e-9)
+    full = next(c for c in result["configs"] if (c["budget"], c["topk"]) == (16, None))
+    assert full["tau_interval"][0] < full["tau_interval"][1]
+    assert {m["budget"]: m["same_requests"] for m in result["measured"]} == {4: True, 8: False, 16: True}
+    assert main(["advise", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "tau 95%" in printed and "req-steps" in printed
+    assert "B=8 topk=None" in printed and "(measured on other requests)" in printed
+    rec = result["recommended"]
+    assert (
+        f"recommended: --budget {rec['budget']}" in printed and f"over {rec['request_steps']} request-steps" in printed
+    )
+    assert f"95% {rec['tokens_per_second_interval'][0]:.1f}-{rec['tokens_per_second_interval'][1]:.1f}" in printed
+
+
+def test_advise_on_one_budget_prints_the_replayed_tau_table_without_a_cost_curve(
+    three: list[dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    path = _write_lines(tmp_path / "one.jsonl", [x for x in three if x.get(sc.FIELD_BUDGET) == 16])
+    assert main(["advise", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "no cost curve" in printed and "recommended" not in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows if r[1] == "-"] == ["1", "2", "4", "8", "16"]
+    assert main(["advise", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cost"] is None and result["recommended"] is None
+    assert all(c["predicted_tokens_per_second"] is None and c["tau_interval"] for c in result["configs"])
+
+
+def test_the_report_carries_the_completeness_and_the_recommendation_with_its_interval(
+    three: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    path = _write_lines(tmp_path / "three.jsonl", three)
+    assert main(["analyze", str(path), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rec = summary["advice"]["recommended"]
+    assert rec["tokens_per_second_interval"][0] <= rec["predicted_tokens_per_second"]
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert html.escape(summary["advice"]["text"]) in page and f"--budget {rec['budget']}" in page and "95%" in page
+    assert summary["completeness"]["share"] == 1.0 and "request-steps logged, 100.0%" in page
