@@ -7,6 +7,7 @@ import io
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,3 +118,60 @@ def test_replay_matches_real_runs_at_smaller_budgets_and_caps(capsys: pytest.Cap
         )
     assert len(close) >= len(gaps) // 2
     assert max(close) < 0.15 and sum(close) / len(close) < 0.06
+
+
+def _synthetic_requests(n: int, seed: int) -> list[list[list[int]]]:
+    """n requests of 5-15 steps; each request has its own acceptance rate, so requests differ more than steps."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(n):
+        rate = rng.beta(2, 3)
+        lengths = np.minimum(rng.geometric(1 - rate, size=rng.integers(5, 16)) - 1, 5)
+        requests.append([[1, 3, 6, 10, 13][:a] for a in lengths])
+    return requests
+
+
+def _delta_half_width(requests: list[list[list[int]]], budget: int) -> float:
+    """1.96 standard errors of tau = 1 + sum(accepted) / sum(steps) over requests (the ratio's delta method)."""
+    c = np.asarray([sum(sum(1 for node in p if node <= budget) for p in r) for r in requests], dtype=float)
+    s = np.asarray([len(r) for r in requests], dtype=float)
+    ratio = c.sum() / s.sum()
+    n = len(requests)
+    return float(1.96 * np.sqrt(n / (n - 1) * ((c - ratio * s) ** 2).sum()) / s.sum())
+
+
+def test_the_bootstrap_over_requests_is_seeded_and_as_wide_as_the_sampling_error(monkeypatch: Any) -> None:
+    requests = _synthetic_requests(400, seed=1)
+    table = ReplayTable(16, ())
+    for r in requests:
+        table.add_request(r, [None] * len(r))
+    configs = [(16, None), (6, None), (3, None)]
+    intervals = table.bootstrap(configs)
+    assert table.bootstrap(configs) == intervals and table.requests == 400
+    for (budget, _), interval in zip(configs, intervals, strict=True):
+        assert interval is not None
+        tau = table.tau(budget)
+        assert tau is not None and interval[0] < tau < interval[1]
+        assert (interval[1] - interval[0]) / 2 == pytest.approx(_delta_half_width(requests, budget), rel=0.2)
+
+    monkeypatch.setattr("telemetry.replay.MAX_SAMPLED_REQUESTS", 100)  # a reservoir of a quarter of them
+    sampled = ReplayTable(16, ())
+    for r in requests:
+        sampled.add_request(r, [None] * len(r))
+    assert len(sampled.samples) == 100 and sampled.tau(16) == table.tau(16)
+    low, high = sampled.bootstrap([(16, None)])[0] or (0.0, 0.0)
+    assert (high - low) / 2 == pytest.approx(_delta_half_width(requests, 16), rel=0.35)
+    assert ReplayTable(16, ()).bootstrap([(16, None)]) == [None]
+
+
+def test_the_bootstrap_counts_are_the_tables_own_under_every_cap() -> None:
+    """Identical requests: every resample is the whole table, so each interval is its replayed tau exactly."""
+    steps = [([1, 2, 4], [0, 1, 0, 2, 1, 3]), ([2, 5], [0, 1, 1, 0, 2, 2]), ([], [0, 0, 1, 1, 2, 2])]
+    table = ReplayTable(6, (1, 2, 4))
+    for _ in range(5):
+        table.add_request([p for p, _ in steps], [r for _, r in steps])
+    configs = [(b, k) for k in (None, 1, 2, 4) for b in range(1, 7) if k is None or k < b]
+    for (budget, topk), interval in zip(configs, table.bootstrap(configs), strict=True):
+        tau = table.tau(budget, topk)
+        assert interval is not None and tau is not None
+        assert interval == pytest.approx((tau, tau)), (budget, topk)
