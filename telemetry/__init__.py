@@ -19,6 +19,9 @@ class _Off:
     observer: StepObserver = NOOP
     prometheus_port: int | None = None
 
+    def dropped(self) -> dict[str, int]:
+        return {}
+
     def shutdown(self, timeout_s: float = 0.0) -> None:
         pass
 
@@ -30,7 +33,7 @@ def start_telemetry(
     detokenize: Callable[[list[int]], str] | None = None,
 ) -> Any:
     """Set up telemetry from `config` (default: the environment). Returns an object with `observer`,
-    `prometheus_port` and `shutdown()`."""
+    `prometheus_port`, `dropped()` (records dropped so far, by kind) and `shutdown()`."""
     config = config or TelemetryConfig.from_env()
     if not config.enabled:
         return _Off()

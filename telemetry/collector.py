@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,8 @@ class _Pending:
     accepted: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     slot_ids: list[str | None] = field(default_factory=list)  # each slot's request when the step started
+    rows: int = 0  # rows the step ran
+    warmup: bool = False  # the step compiled or captured
 
 
 DRAIN_EVERY = 8  # records are resolved in groups: the same code run eight times in a row, with warm caches
@@ -69,9 +72,15 @@ class Collector:
     """Implements `telemetry.hooks.StepObserver`."""
 
     def __init__(
-        self, sinks: list[StatsSink], device_type: str = "cpu", tree_detail: bool = False, handoff: bool = False
+        self,
+        sinks: list[StatsSink],
+        device_type: str = "cpu",
+        tree_detail: bool = False,
+        handoff: bool = False,
+        dropped: Callable[[int], None] | None = None,
     ) -> None:
         self.sinks = sinks
+        self.dropped = dropped or (lambda step: None)  # a step record the hand-off thread had no room for
         self.handoff = HandOff() if handoff else None  # the thread that resolves records and calls the sinks
         self.tree_fields = ("tokens", "parents", "log_probs") if tree_detail else ("tokens", "parents")
         self.clock: StageClock = clock_for(device_type)
@@ -110,11 +119,13 @@ class Collector:
         slot it joined with."""
         self.slot_ids = list(request_ids)
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         if len(self.pending) >= self.drain_at:
             self._drain()
         slots = self._slots(batch_size)
-        self.current = _Pending(step=step, info=self.info, wall_ns=time.time_ns(), marks=[], slot_ids=slots)
+        self.current = _Pending(
+            step=step, info=self.info, wall_ns=time.time_ns(), marks=[], slot_ids=slots, rows=batch_size, warmup=warmup
+        )
         self.started[step] = self.current
         self.boundary = None  # stamped: no mark unless a stage hook comes (the step runs eagerly)
         if not self.stamped:
@@ -190,7 +201,8 @@ class Collector:
             self.clock.release(record.marks)
             self._release(record)
         elif self.handoff is not None:
-            self.handoff.post(self._finish, record, droppable=True)
+            if not self.handoff.post(self._finish, record, droppable=True):
+                self.dropped(record.step)
         else:
             self.pending.append(record)
 
@@ -266,6 +278,8 @@ class Collector:
             tokens=tree.get("tokens"),
             parents=tree.get("parents"),
             log_probs=tree.get("log_probs"),
+            warmup=record.warmup,
+            rows=record.rows,
         )
 
     def _times(self, record: _Pending) -> tuple[int, int, dict[str, tuple[int, int]]]:

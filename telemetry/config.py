@@ -15,6 +15,7 @@
 | DDTREE_NVML_INTERVAL_MS | milliseconds; 0 turns NVML sampling off | 500 |
 | DDTREE_LOG_CONTENT | 0, 1, true, false: put prompt and completion text in logs and spans | 0 |
 | DDTREE_LOG_TREE | 0..1: the share of steps whose step line carries every node's rank and probability | 0 |
+| DDTREE_TELEMETRY_BUFFER_MB | records waiting for a slow sink, at most (then steps are dropped, counted) | 256 |
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class TelemetryConfig:
     nvml_interval_ms: int = 500
     log_content: bool = False
     log_tree: float = 0.0  # share of steps logged with per-node ranks and log-probabilities (top-k replay)
+    buffer_mb: int = 256  # records queued for the exporter process at most, in MiB (`telemetry.outbox`)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.buffer_mb << 20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TelemetryConfig:
@@ -65,6 +71,7 @@ class TelemetryConfig:
             nvml_interval_ms=_int(e, "DDTREE_NVML_INTERVAL_MS", 500, 0, 3_600_000),
             log_content=_flag(e, "DDTREE_LOG_CONTENT"),
             log_tree=_share(e, "DDTREE_LOG_TREE"),
+            buffer_mb=_int(e, "DDTREE_TELEMETRY_BUFFER_MB", 256, 1, 1 << 20),
         )
 
 

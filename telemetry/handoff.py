@@ -4,8 +4,9 @@ On CUDA the decode thread spends most of a step waiting for the device (the wait
 lock), so work handed to this thread runs in that wait instead of between the steps: resolving a step's
 record and handing it to the sinks cost the decode thread one queue put. Calls run in the order they were
 posted, one at a time; each is short, so the decode thread, once its wait ends, gets the lock back within one
-call. When the thread falls behind by `LIMIT` calls, droppable ones (step records) are dropped with one
-warning rather than piling up; the others (requests starting and ending) are always kept.
+call. When the thread falls behind by `LIMIT` calls, droppable ones (step records) are refused rather than piling
+up (`post` returns False, and the caller counts what it lost); the others (requests starting and ending)
+are always kept.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ class HandOff:
         self.thread = threading.Thread(target=self._run, name="ddtree-telemetry", daemon=True)
         self.thread.start()
 
-    def post(self, fn: Callable[..., Any], *args: Any, droppable: bool = False) -> None:
-        """Run `fn(*args)` on the thread, after every call posted before it."""
+    def post(self, fn: Callable[..., Any], *args: Any, droppable: bool = False) -> bool:
+        """Run `fn(*args)` on the thread, after every call posted before it; False if a droppable call was
+        refused because the thread is `limit` calls behind."""
         if droppable and self.calls.qsize() >= self.limit:
-            self._warn_once("behind", f"ddtree telemetry: {self.limit} calls behind; step records are dropped")
-            return
+            return False
         self.calls.put((fn, args))
+        return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every call posted so far has run; False if `timeout_s` passed first or the thread is gone."""

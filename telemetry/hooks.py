@@ -82,8 +82,9 @@ class StepObserver(Protocol):
     def on_generate_start(self, info: GenerateInfo) -> None:
         """A batch of requests begins (before prefill)."""
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
-        """A decode step begins."""
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+        """A decode step begins over `batch_size` rows; with `warmup`, it will compile or capture graphs
+        (the first step of a shape), so its times are not what the shape's steps cost."""
 
     def on_stage_start(self, stage: str) -> None:
         """A stage (`telemetry.semconv.STAGES`) begins: right after the step began or the previous stage
@@ -123,7 +124,7 @@ class NoopObserver:
     def on_generate_start(self, info: GenerateInfo) -> None:
         pass
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         pass
 
     def on_stage_start(self, stage: str) -> None:

@@ -5,6 +5,9 @@ Prompt and completion content is logged only when `DDTREE_LOG_CONTENT` opts in.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import sys
 from typing import IO, Any, TextIO, cast
 
@@ -19,15 +22,36 @@ from telemetry.stats import StepStats
 
 
 def open_log_stream(config: TelemetryConfig) -> IO[str]:
-    """The stream the logs go to. An unwritable file is a clear error, raised at start-up."""
+    """The stream the logs go to. An unwritable file, or a named pipe that no one reads, is a clear error,
+    raised at start-up (opening a pipe without a reader would wait for one)."""
     if config.log_file is None:
         return sys.stderr
     if config.log_file == "-":
         return sys.stdout
+    path = config.log_file
     try:
-        return open(config.log_file, "a", buffering=1, encoding="utf-8")
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            return _open_pipe(path)
+    except FileNotFoundError:
+        pass
     except OSError as exc:
-        raise TelemetryConfigError(f"DDTREE_LOG_FILE {config.log_file!r} is not writable: {exc.strerror}") from exc
+        raise TelemetryConfigError(f"DDTREE_LOG_FILE {path!r} is not writable: {exc.strerror}") from exc
+    try:
+        return open(path, "a", buffering=1, encoding="utf-8")
+    except OSError as exc:
+        raise TelemetryConfigError(f"DDTREE_LOG_FILE {path!r} is not writable: {exc.strerror}") from exc
+
+
+def _open_pipe(path: str) -> IO[str]:
+    """A named pipe, opened for writing only if it has a reader now; then blocking, like a file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise TelemetryConfigError(f"DDTREE_LOG_FILE {path!r} is a named pipe that no process reads") from exc
+        raise TelemetryConfigError(f"DDTREE_LOG_FILE {path!r} is not writable: {exc.strerror}") from exc
+    os.set_blocking(fd, True)
+    return open(fd, "w", buffering=1, encoding="utf-8")
 
 
 def make_logger(config: TelemetryConfig, stream: IO[str]) -> Any:
@@ -67,7 +91,9 @@ class LogSink:
         fields: dict[str, Any] = {
             sc.FIELD_STEP: stats.step,
             sc.FIELD_METHOD: stats.info.method,
-            sc.FIELD_BATCH_SIZE: stats.batch_size,
+            sc.FIELD_ACTIVE_REQUESTS: stats.active_requests,
+            sc.FIELD_ROWS: stats.row_count,
+            sc.FIELD_WARMUP: stats.warmup,
             sc.FIELD_BUDGET: stats.info.budget,
             sc.FIELD_TOPK: stats.info.topk,
             sc.FIELD_TREE_NODES: stats.tree_nodes,

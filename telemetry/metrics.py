@@ -83,6 +83,8 @@ class MetricsSink:
         for n, nodes in zip(stats.accepted, stats.tree_nodes, strict=True):
             self.acceptance_length.record(n + 1, attributes)
             self.tree_nodes.record(nodes, attributes)
+        if stats.warmup:
+            return  # compilation and capture are not what a stage costs
         for stage, (start, end) in stats.stage_ns.items():
             self.stage_duration.record((end - start) / 1e9, {**attributes, sc.LABEL_STAGE: stage})
 

@@ -29,7 +29,9 @@ def stage_span_name(stage: str) -> str:
 
 # Step span attributes.
 ATTR_METHOD: Final = "ddtree.method"
-ATTR_BATCH_SIZE: Final = "ddtree.batch_size"
+ATTR_BATCH_SIZE: Final = "ddtree.batch_size"  # requests that decoded in the step
+ATTR_ROWS: Final = "ddtree.rows"  # rows the step ran
+ATTR_WARMUP: Final = "ddtree.warmup"  # the step carried compilation or graph capture
 ATTR_BUDGET: Final = "ddtree.budget"
 ATTR_TOPK: Final = "ddtree.topk"
 ATTR_TREE_NODES: Final = "ddtree.tree.nodes"
@@ -70,7 +72,6 @@ METRIC_GPU_POWER: Final = "ddtree_gpu_power"
 METRIC_GPU_SM_CLOCK: Final = "ddtree_gpu_sm_clock"
 METRIC_GPU_TEMPERATURE: Final = "ddtree_gpu_temperature"
 METRIC_DROPPED_SPANS: Final = "ddtree_dropped_spans"
-METRIC_DROPPED_RECORDS: Final = "ddtree_telemetry_dropped_records"  # LABEL_KIND: step, request
 METRIC_EXPORT_FAILURES: Final = "ddtree_telemetry_export_failures"  # LABEL_SIGNAL: traces, metrics
 
 UNIT_SECONDS: Final = "s"

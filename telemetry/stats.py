@@ -34,6 +34,8 @@ class StepStats:
     tokens: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: draft tokens, -1 = root or padding
     parents: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: parent node, -1 = root or padding
     log_probs: npt.NDArray[np.float32] | None = None  # [active requests, 1+budget]: only with tree detail on
+    warmup: bool = False  # the step carried compilation or graph capture: its times are not steady-state work
+    rows: int | None = None  # rows the step ran (slots 0..rows-1, free ones included); None: one per request
 
     @cached_property
     def tree_nodes(self) -> list[int]:
@@ -73,12 +75,17 @@ class StepStats:
         return [rid for rid, a in zip(ids, self.active, strict=True) if a]
 
     @property
-    def batch_size(self) -> int:
-        """Requests in the rows the step ran (the slots up to the last one still decoding, rounded up to a power
-        of two), finished ones that had not left included."""
-        if self.slot_ids is None:
-            return len(self.info.request_ids)
-        return sum(rid is not None for rid in self.slot_ids)
+    def active_requests(self) -> int:
+        """Requests that decoded in this step."""
+        return len(self.accepted)
+
+    @property
+    def row_count(self) -> int:
+        """Rows the step ran: the slots up to the last one still decoding, rounded up to a power of two, free and
+        finished ones included."""
+        if self.rows is not None:
+            return self.rows
+        return len(self.slot_ids) if self.slot_ids is not None else len(self.info.request_ids)
 
     @property
     def tree_depth(self) -> int:

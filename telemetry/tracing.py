@@ -52,7 +52,7 @@ class TraceSink:
 
     def step(self, stats: StepStats) -> None:
         spans = [self.requests[r] for r in stats.request_ids if r in self.requests]
-        alone = stats.batch_size == 1 and len(spans) == 1
+        alone = stats.active_requests == 1 and len(spans) == 1
         context = trace.set_span_in_context(spans[0]) if alone else None
         links = None if alone else [Link(s.get_span_context()) for s in spans]
         lengths = [n + 1 for n in stats.accepted]
@@ -64,7 +64,9 @@ class TraceSink:
             attributes={
                 sc.ATTR_STEP_INDEX: stats.step,
                 sc.ATTR_METHOD: stats.info.method,
-                sc.ATTR_BATCH_SIZE: stats.batch_size,
+                sc.ATTR_BATCH_SIZE: stats.active_requests,
+                sc.ATTR_ROWS: stats.row_count,
+                sc.ATTR_WARMUP: stats.warmup,
                 sc.ATTR_BUDGET: stats.info.budget,
                 sc.ATTR_TOPK: stats.info.topk if stats.info.topk is not None else -1,
                 sc.ATTR_TREE_NODES: sum(stats.tree_nodes),

@@ -61,9 +61,16 @@ class StepRunner:
         self.stamped = stamped and cuda_graphs  # graphs time their stages on the device
         self.per_stage = observer is not NOOP and not self.stamped
         self.captured: dict[tuple[Any, ...], _Captured] = {}
+        self.shapes: set[tuple[Any, ...]] = set()  # every key run so far
+
+    def is_new(self, key: tuple[Any, ...]) -> bool:
+        """Whether no step of shape `key` has run yet: the next one runs eagerly (compiling what is compiled
+        per shape) and, with graphs, captures."""
+        return key not in self.shapes
 
     def run(self, key: tuple[Any, ...], constants: Bag) -> Bag:
         """One step. `constants` (host values baked into the shape, part of `key`) seed the bag."""
+        self.shapes.add(key)
         entry = self.captured.get(key) if self.cuda_graphs else None
         if entry is None:
             bag = self._eager(dict(constants))

@@ -346,8 +346,10 @@ class DecodeSession:
         if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
-        self.observer.on_step_start(self.steps, rows.n)
-        bag = self.runner.run((rows.n, span, sampled), {"span": span, "sampled": sampled, "rows": rows})
+        key = (rows.n, span, sampled)
+        warmup = (self.cuda_graphs or self.fused) and self.runner.is_new(key)  # compiles or captures
+        self.observer.on_step_start(self.steps, rows.n, warmup)
+        bag = self.runner.run(key, {"span": span, "sampled": sampled, "rows": rows})
         ticket = self._readback.start(bag["out"])
         self._inflight.append(_Launch(self.steps, list(self.slots), bag, ticket, bag["layout"]))
         self.steps += 1

@@ -9,6 +9,9 @@
 - `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response (`usage`), stop strings
   and disconnects included up to where the response ended.
 - `ddtree_waiting_requests`, `ddtree_running_requests`: gauges read from the decode thread at scrape time.
+- `ddtree_telemetry_dropped_records_total{kind}`: telemetry records (kind `step`, or `request` for a request's
+  start or end) that a slow or stalled sink made telemetry drop, counted where they are dropped, in this process;
+  0 while telemetry keeps every record, absent when telemetry is off.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from telemetry import semconv as sc
@@ -29,9 +34,32 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 OTHER = "other"
 
 
+class _Dropped(Collector):
+    """The telemetry's drop counts, read at scrape time (`dropped()`: kind -> records since start)."""
+
+    def __init__(self, dropped: Callable[[], dict[str, int]]) -> None:
+        self.dropped = dropped
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self.dropped()
+        if not counts:
+            return
+        family = CounterMetricFamily(
+            sc.PROM_DROPPED_RECORDS_TOTAL.removesuffix("_total"),
+            "Telemetry records dropped because a sink could not keep up, by kind",
+            labels=[sc.LABEL_KIND],
+        )
+        for kind, count in sorted(counts.items()):
+            family.add_metric([kind], count)
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(
+        self, waiting: Callable[[], int], running: Callable[[], int], dropped: Callable[[], dict[str, int]] = dict
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_Dropped(dropped))
         self.requests = Counter(
             sc.PROM_HTTP_REQUESTS_TOTAL,
             "HTTP requests by endpoint and status",

@@ -217,9 +217,9 @@ class GuardedObserver:
         with self.guard.watch("on_generate_start"):
             self.inner.on_generate_start(info)
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         with self.guard.watch("on_step_start"):
-            self.inner.on_step_start(step, batch_size)
+            self.inner.on_step_start(step, batch_size, warmup)
 
     def on_stage_start(self, stage: str) -> None:
         with self.guard.watch("on_stage_start"):

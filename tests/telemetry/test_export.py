@@ -75,7 +75,7 @@ def test_spans_reach_a_real_otlp_receiver(tiny_dirs: tuple[Path, Path], tmp_path
 
 
 def test_an_unreachable_endpoint_costs_no_tokens_and_its_drops_are_counted_and_logged_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export (and fail) while decoding, not only at exit
     log = tmp_path / "log.jsonl"
@@ -101,7 +101,13 @@ def test_an_unreachable_endpoint_costs_no_tokens_and_its_drops_are_counted_and_l
     assert [o.token_ids for o in result.outputs] == [o.token_ids for o in plain.outputs]
     assert total(samples, dropped) == spans, "every span that could not be exported is counted"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len([x for x in lines if x.get("spans") == "dropped"]) == 1, "a failing exporter is logged once"
+    failures = [x for x in lines if x["event"] == sc.EVENT_TELEMETRY and x.get("export") == "failed"]
+    assert len(failures) == 1, "a failing exporter is logged once"
+    assert failures[0][sc.FIELD_EXPORT_SIGNAL] == "traces"
+    assert failures[0][sc.FIELD_EXPORT_ENDPOINT] == config.otlp_endpoint + "/v1/traces"
+    assert "Connection refused" in failures[0][sc.FIELD_EXPORT_CAUSE], "the cause, not only that it failed"
+    said = [line for line in capfd.readouterr().err.splitlines() if "export to" in line]
+    assert len(said) == 1 and failures[0][sc.FIELD_EXPORT_ENDPOINT] in said[0], "and once on stderr"
 
 
 @contextlib.contextmanager
@@ -210,3 +216,25 @@ def test_a_closed_stdout_ends_cleanly(tiny_dirs: tuple[Path, Path]) -> None:
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_a_failing_metric_export_says_where_and_why_once(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "log.jsonl"
+    config = TelemetryConfig(
+        enabled=True,
+        traces_exporter="none",
+        otlp_protocol="http/protobuf",
+        otlp_endpoint=dead_endpoint(),
+        metrics_exporter="otlp",
+        log_file=str(log),
+    )
+    telemetry = start_telemetry(config)
+    target, drafter = tiny_pair(6, vocab=16)
+    Engine(target, drafter, observer=telemetry.observer).generate([[1, 2, 3]], GenerationConfig(max_new_tokens=8))
+    telemetry.shutdown(timeout_s=30)  # the last collection is exported at shutdown, and fails
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    failures = [x for x in lines if x["event"] == sc.EVENT_TELEMETRY and x.get("export") == "failed"]
+    assert [x[sc.FIELD_EXPORT_SIGNAL] for x in failures] == ["metrics"]
+    assert failures[0][sc.FIELD_EXPORT_ENDPOINT] == config.otlp_endpoint + "/v1/metrics"
+    assert "Connection refused" in failures[0][sc.FIELD_EXPORT_CAUSE]
+    assert sum("metrics export to" in line for line in capfd.readouterr().err.splitlines()) == 1

@@ -36,9 +36,9 @@ class Tee:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         self.current = step
-        self.inner.on_step_start(step, batch_size)
+        self.inner.on_step_start(step, batch_size, warmup)
 
     def on_tree(self, tree: Any) -> None:
         self.parents[self.current] = tree.parents.tolist()
@@ -134,9 +134,13 @@ def test_step_logs(run: Run) -> None:
         assert line[sc.FIELD_TREE_NODES] == want.tree_nodes
         assert line[sc.FIELD_NODES_PER_DEPTH] == want.nodes_per_depth
         assert line[sc.FIELD_ACCEPTED_PER_DEPTH] == want.accepted_per_depth
-        # The requests in the slots the step ran (all joined at once and leave at the end of `generate`).
-        assert line[sc.FIELD_BATCH_SIZE] == want.rows or run.pipelined
-        assert len(want.accepted) <= line[sc.FIELD_BATCH_SIZE] <= len(result.outputs)
+        # The rows the step ran (all joined at once and leave at the end of `generate`); the requests that
+        # decoded in it, one per listed id and per tree.
+        assert line[sc.FIELD_ROWS] == want.rows or run.pipelined
+        assert len(want.accepted) <= line[sc.FIELD_ROWS] <= len(result.outputs)
+        active = line[sc.FIELD_ACTIVE_REQUESTS]
+        assert active == len(want.accepted) == len(line[sc.FIELD_REQUEST_IDS]) == len(line[sc.FIELD_TREE_NODES])
+        assert line[sc.FIELD_WARMUP] is False, "no compilation or capture on this path"
     assert any(sum(w.accepted) for w in expected) or lines[0][sc.FIELD_METHOD] == "ar", "drafts were accepted"
 
 
@@ -173,7 +177,8 @@ def test_span_attributes(run: Run) -> None:
         assert attributes[sc.ATTR_ACCEPTED_TOKENS] == sum(want.accepted)
         mean = sum(a + 1 for a in want.accepted) / len(want.accepted)
         assert attributes[sc.ATTR_MEAN_ACCEPTANCE] == pytest.approx(mean)
-        assert attributes[sc.ATTR_BATCH_SIZE] == line[sc.FIELD_BATCH_SIZE]
+        assert attributes[sc.ATTR_BATCH_SIZE] == line[sc.FIELD_ACTIVE_REQUESTS]
+        assert attributes[sc.ATTR_ROWS] == line[sc.FIELD_ROWS]
 
 
 def test_stage_times_fit_in_their_step(run: Run) -> None:
