@@ -7,19 +7,21 @@
 - With an API key, `/v1/*` needs `Authorization: Bearer KEY` (else 401); `/health` and `/metrics` stay open,
   for probes and scrapers.
 - Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`; a body that does not validate is a
-  400 (not FastAPI's 422); a full queue is a 429 with `Retry-After`; a failed decode step is a 500.
+  400 (not FastAPI's 422); a full queue is a 429 with `Retry-After`; a failed decode step is a 500; any
+  other failure of ours is a 500 with one log line, never a traceback (`ddtree.server.faults`).
 - `model`: the server serves one model, the id `/v1/models` lists. A request may name it or leave `model`
   out (or null); any other name is a 404 with code `model_not_found`, as OpenAI answers, before any work.
-- A body over `max_body_bytes` (by `Content-Length`, or as read) is a 413, code `request_too_large`
-  (`ddtree.server.gate`).
+- A body over `max_body_bytes` (by `Content-Length`, or as read) is a 413, code `request_too_large`; a body
+  not all in within `body_timeout` seconds is a 408, code `request_timeout` (`ddtree.server.gate`).
 - Shutdown (SIGTERM or SIGINT under `ddtree.server.run`): `draining` turns true, so new `/v1/*` requests get
   503 (code `server_shutting_down`) and `/health` 503; uvicorn stops listening and gives the requests in
-  flight up to `shutdown_timeout` seconds to finish (then cancels them); the lifespan's end stops the
-  decode thread.
+  flight up to `shutdown_timeout` seconds to finish (then cancels them: those get 503, code
+  `server_shutting_down`, too); the lifespan's end stops the decode thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import uuid
@@ -34,7 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.engine.requests import Request as DecodeRequest
-from ddtree.server.errors import ApiError, api_error_response, validation_error
+from ddtree.server.errors import ApiError, api_error_response, shutting_down, validation_error
+from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
 from ddtree.server.metrics import MetricsMiddleware, ServerMetrics, telemetry_exposition
@@ -73,13 +76,20 @@ def create_app(settings: ServerSettings, model: ServedModel | None = None) -> Fa
         try:
             yield
         finally:
-            worker.stop(settings.shutdown_timeout)
+            await asyncio.to_thread(worker.stop, settings.shutdown_timeout)
             served.telemetry.shutdown()  # flushes spans, logs and metrics; bounded
 
     app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ddtree = state
-    app.add_middleware(RequestGate, max_body_bytes=settings.max_body_bytes, draining=lambda: state.draining)
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts the gate's refusals too
+
+    def draining() -> bool:
+        return state.draining
+
+    app.add_middleware(
+        RequestGate, max_body_bytes=settings.max_body_bytes, draining=draining, body_timeout=settings.body_timeout
+    )
+    app.add_middleware(ErrorGuard, draining=draining)  # turns what escapes the routes and the gate into answers
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts every answer
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -182,6 +192,8 @@ async def _generate(
                 return StreamingResponse(_events(state, path, generation, reply), media_type="text/event-stream")
             text = await generation.text()
     except GenerationFailed as exc:
+        if state.draining:
+            raise shutting_down() from None
         raise ApiError(500, f"generation failed: {exc}", "server_error") from None
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
@@ -214,6 +226,8 @@ def _start(
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from None
     except WorkerStopped:
+        if state.draining:
+            raise shutting_down() from None
         raise ApiError(503, "the decode loop is not running", "server_error") from None
     return generation
 

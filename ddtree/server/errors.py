@@ -1,4 +1,8 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status."""
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+
+The refusals more than one module gives are built here: `shutting_down` (503, `server_shutting_down`),
+`request_timeout` (408, `request_timeout`) and `internal_error` (500, a failure of ours, no details).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+SHUTTING_DOWN = "server_shutting_down"
+REQUEST_TIMEOUT = "request_timeout"
+RETRY_AFTER_SECONDS = 1
 
 
 class ApiError(Exception):
@@ -40,6 +48,32 @@ def api_error_response(error: ApiError) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def shutting_down() -> ApiError:
+    """A request refused because the server is shutting down: while draining, or still unfinished when the
+    shutdown timeout ran out."""
+    return ApiError(
+        503,
+        "the server is shutting down and takes no new requests; retry later",
+        "server_error",
+        code=SHUTTING_DOWN,
+        headers={"Connection": "close", "Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+def request_timeout(seconds: float) -> ApiError:
+    return ApiError(
+        408,
+        f"the request body was not received within {seconds:g} s; the connection is closed",
+        "invalid_request_error",
+        code=REQUEST_TIMEOUT,
+        headers={"Connection": "close"},
+    )
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "the server failed on this request (an internal error); it has been logged", "server_error")
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

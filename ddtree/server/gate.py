@@ -7,61 +7,75 @@
 - Once the server shuts down (`draining()` is true), `/v1/*` is refused with 503 (`code`
   `server_shutting_down`, `Connection: close`); requests already admitted run to their end. `/health` and
   `/metrics` stay open (health then answers 503 itself).
+- A body that has not all arrived `body_timeout` seconds after the request's head is refused with 408
+  (`code` `request_timeout`, `Connection: close`), so that a client that stalls mid-body holds no handler
+  and no connection (the request's head has its own timeout, in `ddtree.server.connections`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ddtree.server.errors import ApiError, api_error_response
+from ddtree.server.errors import ApiError, api_error_response, request_timeout, shutting_down
 
-SHUTTING_DOWN = "server_shutting_down"
 TOO_LARGE = "request_too_large"
-RETRY_AFTER_SECONDS = 1
 
 
 class RequestGate:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, draining: Callable[[], bool]) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, draining: Callable[[], bool], body_timeout: float = 30.0
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.draining = draining
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.draining() and str(scope["path"]).startswith("/v1/"):
-            refused = ApiError(
-                503,
-                "the server is shutting down and takes no new requests; retry later",
-                "server_error",
-                code=SHUTTING_DOWN,
-                headers={"Connection": "close", "Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
-            await api_error_response(refused)(scope, receive, send)
+        got = self._refusal(scope) or await self._body(receive)
+        if isinstance(got, ApiError):
+            await api_error_response(got)(scope, receive, send)
             return
+        await self.app(scope, _replay(got, receive), send)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        """What to refuse before reading the body: a server shutting down, a declared size over the limit."""
+        if self.draining() and str(scope["path"]).startswith("/v1/"):
+            return shutting_down()
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await api_error_response(self._too_large(f"{declared} bytes"))(scope, receive, send)
-            return
+            return self._too_large(f"{declared} bytes")
+        return None
+
+    async def _body(self, receive: Receive) -> list[Message] | ApiError:
+        """The body within `body_timeout` (else 408) and the size limit (else 413)."""
+        try:
+            return await asyncio.wait_for(self._read_body(receive), self.body_timeout)
+        except asyncio.TimeoutError:
+            return request_timeout(self.body_timeout)
+        except _TooLarge:
+            return self._too_large(f"over {self.max_body_bytes} bytes")
+
+    async def _read_body(self, receive: Receive) -> list[Message]:
+        """The body as one message (or what came before a disconnect, as it came); _TooLarge past the limit."""
         messages, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # a disconnect: hand on what came, as it came
                 messages.append(message)
-                break
+                return messages
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                await api_error_response(self._too_large(f"over {self.max_body_bytes} bytes"))(scope, receive, send)
-                return
+                raise _TooLarge
             messages.append(message)
             if not message.get("more_body", False):
                 body = b"".join(m.get("body", b"") for m in messages)
-                messages = [{"type": "http.request", "body": body, "more_body": False}]
-                break
-        await self.app(scope, _replay(messages, receive), send)
+                return [{"type": "http.request", "body": body, "more_body": False}]
 
     def _too_large(self, size: str) -> ApiError:
         return ApiError(
@@ -71,6 +85,10 @@ class RequestGate:
             code=TOO_LARGE,
             headers={"Connection": "close"},
         )
+
+
+class _TooLarge(Exception):
+    """The body read so far is over the limit."""
 
 
 def _content_length(scope: Scope) -> int | None:

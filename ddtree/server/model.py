@@ -11,6 +11,7 @@ from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.methods import get_method
 from ddtree.runtime import EngineOptions, GenerateRequest, check_request, eos_ids, resolve_paths
+from ddtree.server.connections import connection_budget, descriptors_needed, fd_limit
 from telemetry import TelemetryConfig, start_telemetry
 
 DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller
@@ -29,6 +30,13 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20  # a request body over this is refused with 413
     shutdown_timeout: float = 30.0  # seconds requests in flight get to finish once shutdown starts
+    # Connections (ddtree.server.connections, ddtree.server.gate): slow or idle clients cannot pile up.
+    header_timeout: float = 10.0  # seconds to a request's whole head, from connect or the previous response
+    body_timeout: float = 30.0  # seconds from the head to the whole body; then 408 and the connection closed
+    max_connections: int | None = None  # open at once; None: sized from `ulimit -n` (connection_budget)
+    backlog: int | None = None  # queued by the kernel before accept (uvicorn's); None: sized as max_connections
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept (uvicorn's timeout_keep_alive)
+    max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11_max_incomplete_event_size)
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
@@ -45,8 +53,33 @@ def check_settings(settings: ServerSettings) -> None:
         raise UserError(f"--max-body-bytes must be >= 1, got {settings.max_body_bytes}")
     if not settings.shutdown_timeout >= 0:
         raise UserError(f"--shutdown-timeout must be >= 0, got {settings.shutdown_timeout}")
+    _check_connections(settings)
     if settings.api_key is not None and not settings.api_key.strip():
         raise UserError("--api-key must not be empty")
+
+
+def _check_connections(settings: ServerSettings) -> None:
+    for flag, seconds in (("--header-timeout", settings.header_timeout), ("--body-timeout", settings.body_timeout)):
+        if not 0 < seconds < float("inf"):
+            raise UserError(f"{flag} must be > 0 seconds, got {seconds}")
+    counts = {
+        "--max-connections": settings.max_connections,
+        "--keep-alive-timeout": settings.keep_alive_timeout,
+        "--max-header-bytes": settings.max_header_bytes,
+        "--backlog": settings.backlog,
+    }
+    for flag, value in counts.items():
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    fds = fd_limit()
+    connections, backlog = connection_budget(settings.max_connections, settings.backlog, fds)
+    needed = descriptors_needed(connections, backlog)
+    explicit = settings.max_connections is not None or settings.backlog is not None  # the defaults fit
+    if explicit and fds is not None and needed > fds:
+        raise UserError(
+            f"--max-connections {connections} with --backlog {backlog} can take {needed} file descriptors, "
+            f"but the limit is {fds} (ulimit -n): lower them or raise the limit"
+        )
 
 
 @dataclass

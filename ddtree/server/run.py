@@ -4,7 +4,13 @@ On SIGTERM or SIGINT the app starts draining (new `/v1/*` requests get 503, `/he
 listening, closes idle connections and waits up to `shutdown_timeout` seconds for the requests in flight
 (streams included) to finish, cancels what is left, then runs the lifespan's end, which stops the decode
 thread. `serve` then returns normally: the process exits 0. (Plain uvicorn re-raises the signal once it is
-done, which kills the process with it; a second SIGINT still forces an immediate exit.)
+done, which kills the process with it; a second SIGINT still forces an immediate exit.) Requests still
+unfinished when the timeout runs out are answered 503 (`ddtree.server.faults`).
+
+Connections: uvicorn's own settings where it has them (`timeout_keep_alive`, `h11_max_incomplete_event_size`,
+`backlog`, from `ServerSettings`), and the h11 protocol of `ddtree.server.connections` for the head timeout
+and the connection cap, which uvicorn has not. Log lines that repeat (asyncio's, uvicorn's, ours) are let
+through once a minute (`ddtree.server.logs`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -21,6 +28,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from ddtree.server.app import ServerState, create_app
+from ddtree.server.connections import ConnectionLimits, connection_budget, fd_limit, guarded_protocol
+from ddtree.server.logs import guard_logs
 from ddtree.server.model import ServerSettings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -36,6 +45,10 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.draining = True  # however the exit was asked for (`should_exit` set directly, too)
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -53,13 +66,24 @@ class GracefulServer(uvicorn.Server):
 
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> GracefulServer:
     state = cast(ServerState, app.state.ddtree)
+    settings = state.settings
+    max_connections, backlog = connection_budget(settings.max_connections, settings.backlog, fd_limit())
+    limits = ConnectionLimits(
+        max_connections, header_timeout=settings.header_timeout, body_timeout=settings.body_timeout
+    )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(state.settings.shutdown_timeout),
-    )  # uvicorn takes whole seconds
+        http=guarded_protocol(limits),
+        ws="none",  # no WebSocket routes
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),  # uvicorn takes whole seconds
+        timeout_keep_alive=settings.keep_alive_timeout,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        backlog=backlog,
+    )  # configures logging: the filters go on after it
+    guard_logs()
     return GracefulServer(config, state)
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -70,6 +73,52 @@ def test_shutdown_is_bounded_by_the_timeout(tiny_dirs: tuple[Path, Path], served
         except httpx.HTTPError as exc:
             outcome = exc
         assert outcome != 200, "a request past the shutdown timeout must not succeed"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def _logged() -> Iterator[list[logging.LogRecord]]:
+    """Every record of the root logger and of uvicorn's (which does not propagate to the root)."""
+    handler = _Records()
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_requests_left_at_the_shutdown_timeout_get_503_and_no_traceback(
+    tiny_dirs: tuple[Path, Path], served: ServedModel
+) -> None:
+    app = create_app(settings_for(tiny_dirs, shutdown_timeout=1), served)
+    worker = app.state.ddtree.worker
+    body = {"prompt": "left behind", "max_tokens": 4}
+    with live_server(app) as (url, server, thread), _logged() as records, ThreadPoolExecutor(2) as pool:
+        worker.pause()  # the requests never get a slot
+        plain = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30)
+        streamed = pool.submit(httpx.post, f"{url}/v1/completions", json={**body, "stream": True}, timeout=30)
+        wait_until(lambda: worker.waiting() == 2)
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(15)
+        responses = [plain.result(timeout=10), streamed.result(timeout=10)]
+    for response in responses:
+        assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "server_shutting_down"
+        assert error["param"] is None and response.headers["retry-after"] == "1"
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records if r.exc_info]
+    assert not [r for r in records if "Traceback" in r.getMessage() or "Exception in ASGI" in r.getMessage()]
 
 
 def test_sigterm_on_ddtree_serve_finishes_the_stream_and_exits_0(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
