@@ -41,7 +41,10 @@ from telemetry.replay import ReplayTable
 MIN_EXACT_SHARE = 0.9  # a (B', k') whose replay is a lower bound on more steps than this is not recommended
 WARN_BELOW = 0.99  # completeness share under which the advice warns
 REFUSE_BELOW = 0.90  # and under which it is refused
-NO_COST = "no cost curve: the log has ddtree steps at one budget; pass --cost FILE (`ddtree bench --cost-curve FILE`)"
+NO_COST = (
+    "no cost curve: the log times ddtree's steady steps at one budget only; for tokens/s and a recommendation"
+    " pass --cost FILE (`ddtree bench --cost-curve FILE`)"
+)
 
 
 class IncompleteLog(ValueError):
@@ -161,7 +164,7 @@ def check_complete(completeness: Completeness) -> list[str]:
     if share < REFUSE_BELOW:
         raise IncompleteLog(
             f"the log is too incomplete to advise on: {completeness.line()}; the telemetry lost "
-            f"{1 - share:.1%} of the run (advise needs {REFUSE_BELOW:.0%}): rerun with a faster sink"
+            f"{1 - share:.1%} of the run, advise needs {REFUSE_BELOW:.0%}: rerun where the log's sink keeps up"
         )
     return [f"incomplete log: {completeness.line()} (under {WARN_BELOW:.0%}): the replay is over the complete requests"]
 
@@ -189,7 +192,8 @@ def advise(digest: Digest, cost: CostCurve | None = None) -> dict[str, Any]:
             "requests": table.requests,
         },
         "completeness": {"share": completeness.share, "text": completeness.line()},
-        "warnings": warnings + ([warmup_note(configs)] if warmup_note(configs) else []),
+        "warnings": warnings,
+        "notes": [note] if (note := warmup_note(configs)) else [],
         "cost": None
         if cost is None
         else {"source": cost.source, "points": [{"budget": b, "step_ms": ms} for b, ms in cost.points]},
@@ -254,6 +258,7 @@ def format_advice(result: dict[str, Any], top: int = 10) -> str:
         f"{src['ranked_steps']} with node ranks; {result['completeness']['text']}",
         f"step time from {cost['source']}" if cost is not None else NO_COST,
         *(f"warning: {w}" for w in result["warnings"]),
+        *(f"note: {n}" for n in result["notes"]),
         f"{'budget':>7}{'topk':>6}{'tau':>8}{'tau 95%':>13}{'tok/s':>10}{'tok/s 95%':>17}{'req-steps':>10}{'exact':>8}",
         *(_row(p) for p in _shown(result, top)),
     ]
@@ -278,7 +283,7 @@ def recommendation_line(rec: dict[str, Any]) -> str:
     """'recommended: --budget 8 --topk 2 (predicted 412.0 tokens/s, 95% 398.1-425.3, over 480 request-steps)'."""
     flags = f"--budget {rec['budget']}" + (f" --topk {rec['topk']}" if rec["topk"] else "")
     interval = rec["tokens_per_second_interval"]
-    spread = f", 95% {_span(interval, 1)}" if interval is not None else ", no interval (one request)"
+    spread = f", 95% {_span(interval, 1)}" if interval is not None else ", no interval (under two requests)"
     return (
         f"recommended: {flags} (predicted {rec['predicted_tokens_per_second']:.1f} tokens/s{spread}, "
         f"tau {rec['predicted_tau']:.2f}, over {rec['request_steps']} request-steps of {rec['requests']} requests)"

@@ -96,6 +96,8 @@ class ConfigStats:
     steps: int = 0  # step lines, warm-up ones included
     warmup_steps: int = 0
     request_steps: int = 0  # sum over step lines of the requests that decoded in them
+    rows: int = 0  # sum over the step lines that say (`rows_steps`) of the rows they ran, padding included
+    rows_steps: int = 0
     accepted: int = 0
     emitted: int = 0
     steady_emitted: int = 0  # tokens of the steps that were not warm-up
@@ -136,7 +138,13 @@ class ConfigStats:
 
     @property
     def active_per_step(self) -> float:
+        """Requests that decoded in a step, on average."""
         return self.request_steps / self.steps if self.steps else 0.0
+
+    @property
+    def rows_per_step(self) -> float | None:
+        """Rows a step ran, on average (padded); None where no line says (old logs)."""
+        return self.rows / self.rows_steps if self.rows_steps else None
 
     def stage_mean_ms(self, stage: str) -> float:
         return self.stage_ms.get(stage, 0.0) / self.timed_steps if self.timed_steps else 0.0
@@ -157,6 +165,9 @@ class ConfigStats:
         self.accepted += sum(s[sc.FIELD_ACCEPTED_DRAFTS])
         emitted = sum(s.get(sc.FIELD_EMITTED, []))
         self.emitted += emitted
+        if (ran := rows(s)) is not None:
+            self.rows += ran
+            self.rows_steps += 1
         _add_into(self.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
         _add_into(self.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
         if is_warmup(s):
@@ -283,9 +294,9 @@ def warmup_note(groups: list[ConfigStats]) -> str:
 
 
 def advice(groups: list[ConfigStats]) -> str:
-    timed = [g for g in groups if g.timed_steps]
     if not groups:
         return "no ddtree.step lines found"
+    timed = [g for g in groups if g.timed_steps]
     if not timed:
         return f"no steady steps to time: {warmup_note(groups)}"
     best = max(timed, key=lambda g: g.tokens_per_second)

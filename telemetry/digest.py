@@ -369,6 +369,8 @@ class Digest:
             "steps": g.steps,
             "warmup_steps": g.warmup_steps,
             "request_steps": g.request_steps,
+            "active_requests_per_step": g.active_per_step,
+            "rows_per_step": g.rows_per_step,
             "tau": g.tau,
             "step_line_tau": g.step_tau,
             "requests": vars(g.requests) | {"tau": g.requests.tau},

@@ -110,8 +110,8 @@ class _RequestSample:
 
     steps: int
     ranked_steps: int
-    nodes: npt.NDArray[np.int64]  # [path nodes over its steps]: each accepted node's index
-    places: npt.NDArray[np.int64]  # [caps, path nodes over its ranked steps]: place under the cap, budget+1: cut
+    nodes: npt.NDArray[np.int32]  # [path nodes over its steps]: each accepted node's index
+    places: npt.NDArray[np.int32]  # [caps, path nodes over its ranked steps]: place under the cap, budget+1: cut
 
 
 @dataclass
@@ -155,8 +155,8 @@ class ReplayTable:
         sample = _RequestSample(
             len(nodes),
             len(places),
-            np.concatenate(nodes) if nodes else np.zeros(0, dtype=np.int64),
-            np.concatenate(places, axis=1) if places else np.zeros((len(self.topks), 0), dtype=np.int64),
+            np.concatenate([np.zeros(0, dtype=np.int32), *nodes]).astype(np.int32),
+            np.concatenate([np.zeros((len(self.topks), 0), dtype=np.int32), *places], axis=1).astype(np.int32),
         )
         self.requests += 1
         if len(self.samples) < MAX_SAMPLED_REQUESTS:

@@ -114,7 +114,7 @@ def test_advise_compares_the_steady_steps_own_tokens_per_second(
         assert measured[budget]["warmup_steps"] == 1 and measured[budget]["same_requests"]
     m = measured[16]
     assert 0.75 < m["predicted_tokens_per_second"] / m["measured_tokens_per_second"] < 1.33
-    assert any("warm-up" in w for w in result["warnings"])
+    assert result["notes"] == ["2 warm-up steps left out of stage times and tokens/s"] and not result["warnings"]
 
 
 def _request_steps(lines: list[Line]) -> int:
@@ -223,6 +223,8 @@ def test_old_logs_read_with_batch_size_and_no_warmup(
     for old_g, new_g in zip(digest.sorted_configs(), new.sorted_configs(), strict=True):
         assert old_g.warmup_steps == 0 and old_g.tau == pytest.approx(taus[old_g.budget])
         assert (old_g.step_ms, old_g.active_per_step) == (new_g.step_ms, new_g.active_per_step)
+        ran = [s[sc.FIELD_ROWS] for s in _steps(lines, new_g.budget)]
+        assert old_g.rows_per_step is None and new_g.rows_per_step == pytest.approx(sum(ran) / len(ran))
     trace = tmp_path / "trace.json"
     assert main(["analyze", str(_write(tmp_path, _old_format(lines))), "--trace-events", str(trace)]) == 0
     steps = [e for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == sc.SPAN_STEP]
