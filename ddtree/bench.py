@@ -57,9 +57,14 @@ def heldout_prompts(path: str | None = None) -> list[str]:
     """The committed held-out prompts (none used in training), or a JSONL file of `{"prompt": ...}`."""
     source = Path(path) if path else Path(str(resources.files("ddtree.data").joinpath("heldout_prompts.jsonl")))
     try:
-        return [json.loads(line)["prompt"] for line in source.read_text().splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(source.read_text().splitlines(), 1) if line.strip()]
+        prompts = [(n, json.loads(line)["prompt"]) for n, line in lines]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"cannot read prompts from {str(source)!r}: {exc}") from exc
+        raise UserError(f"cannot read prompts from {str(source)!r}: {type(exc).__name__}: {exc}") from exc
+    bad = next((n for n, prompt in prompts if not isinstance(prompt, str) or not prompt), None)
+    if bad is not None:
+        raise UserError(f"cannot read prompts from {str(source)!r}: line {bad}: 'prompt' must be a non-empty string")
+    return [prompt for _, prompt in prompts]
 
 
 Prompts = list[list[int]]

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.decode import Engine, GenerationConfig, ModelDims, check_session, plan_session
 from ddtree.errors import UserError
 from ddtree.methods import get_method
 from ddtree.models.default import default_drafter, default_target
-from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
+from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter, read_drafter_config
 from ddtree.models.target import Target, load_target, read_target_config
 from ddtree.train.data import chat_ids
 from telemetry import TelemetryConfig, start_telemetry
@@ -95,8 +97,8 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
         raise UserError(f"--budget must be >= 1, got {g.budget}")
     if g.topk is not None and g.topk < 1:
         raise UserError(f"--topk must be >= 1, got {g.topk}")
-    if g.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {g.temperature}")
+    if not (math.isfinite(g.temperature) and g.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0, got {g.temperature}")
     if g.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {g.max_new_tokens}")
     if vocab_size is None:
@@ -121,6 +123,18 @@ def resolve_paths(model: str | None, drafter: str | None, method: str) -> tuple[
     return model, drafter
 
 
+def check_capacity(
+    model: str, drafter_dir: str | None, config: GenerationConfig, slots: int, tokens: int, options: EngineOptions
+) -> None:
+    """From the configs alone, before any weights load: CapacityError where `slots` requests of up to `tokens`
+    tokens with `config` exceed the model's context length or the device's free memory (the weights not
+    counted: the engine checks again, once they are loaded, when it makes the session)."""
+    device = resolve_device(options.device)
+    drafter = read_drafter_config(drafter_dir) if drafter_dir is not None else None
+    dims = ModelDims.of(read_target_config(model), resolve_dtype(options.dtype, device), drafter)
+    check_session(dims, plan_session(dims, config, slots, tokens), device)
+
+
 def load_pair(
     model: str, drafter_dir: str | None, device_name: str = "auto", dtype_name: str = "auto"
 ) -> tuple[Target, DFlashDrafter | None, Any]:
@@ -137,13 +151,21 @@ def load_pair(
     return target, drafter, _load_tokenizer(model)
 
 
-def _load_tokenizer(path: str) -> Any:
-    try:
-        from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
+
+def _load_tokenizer(path: str) -> Any:
+    """The directory's tokenizer; None where it has no tokenizer files, UserError where they are broken."""
+    from transformers import AutoTokenizer
+
+    present = [name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
+    try:
         return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
+    except Exception as exc:  # tokenizers and transformers raise many kinds for a broken file
+        if not present:
+            return None
+        files = ", ".join(present)
+        raise UserError(f"cannot load the tokenizer in {path!r} ({files}): {type(exc).__name__}: {exc}") from exc
 
 
 def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:

@@ -318,8 +318,8 @@ def save_drafter(drafter: DFlashDrafter, out: str | Path, dtype: torch.dtype | N
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def load_drafter(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-    """Load a drafter directory, with a clear error when it is missing or malformed."""
+def read_drafter_config(path: str | Path) -> Any:
+    """A drafter directory's config, checked, without its weights; UserError naming the file otherwise."""
     directory = Path(path)
     config_file, weights = directory / "config.json", directory / WEIGHTS_NAME
     if not config_file.is_file() or not weights.is_file():
@@ -329,15 +329,31 @@ def load_drafter(path: str | Path, device: torch.device, dtype: torch.dtype) -> 
         dflash = raw["dflash_config"]
         _ = raw["block_size"], dflash["target_layer_ids"], dflash["mask_token_id"]
         config = Qwen3Config.from_pretrained(directory)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"drafter config in {str(path)!r} is not a DFlash config: {exc}") from exc
-    if int(config.block_size) < 2:
+        sizes = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+        if not all(isinstance(n, int) and n >= 1 for n in (*sizes, config.head_dim, config.vocab_size)):
+            raise ValueError("its sizes (hidden, layers, heads, head_dim, vocab) must be integers >= 1")
+        layers = [int(i) for i in dflash["target_layer_ids"]]
+        if not layers:
+            raise ValueError("target_layer_ids is empty")
+        int(dflash["mask_token_id"])
+        block = int(config.block_size)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"drafter config {str(config_file)!r} is not a DFlash config: {exc}") from exc
+    if block < 2:
         raise UserError(f"drafter block_size must be >= 2, got {config.block_size}")
+    return config
+
+
+def load_drafter(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    """Load a drafter directory, with a clear error when it is missing or malformed."""
+    directory = Path(path)
+    config = read_drafter_config(directory)
+    weights = directory / WEIGHTS_NAME
     drafter = DFlashDrafter(config)
     try:
         drafter.load_state_dict(load_file(str(weights)))
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        raise UserError(f"cannot load drafter weights in {str(path)!r}: {exc}") from exc
+        raise UserError(f"cannot load drafter weights {str(weights)!r}: {exc}") from exc
     return drafter.to(device=device, dtype=dtype).eval()
 
 

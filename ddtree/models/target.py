@@ -194,31 +194,74 @@ def tree_attention_mask(lengths: torch.Tensor, visible: torch.Tensor, key_span: 
 
 def read_target_config(path: str | Path) -> Any:
     """Read and check a target's config, with a clear error when the directory can't be used."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     directory = Path(path)
+    if directory.is_file():
+        raise UserError(f"{str(path)!r} is {_file_kind(directory)}, not a model directory (HF layout: config.json)")
     if not (directory / "config.json").is_file():
         raise UserError(f"model directory {str(path)!r} is missing or has no config.json")
+    config_file = str(directory / "config.json")
     try:
         config = AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the model config in {str(path)!r}: {exc}") from exc
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as exc:
+        raise UserError(f"cannot read the model config {config_file!r}: {exc}") from exc
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(
             f"unsupported target model type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    problem = _config_problem(config)
+    if problem:
+        raise UserError(f"cannot use the model config {config_file!r}: {problem}")
     return config
+
+
+def _config_problem(config: Any) -> str | None:
+    """What makes a config unusable for our layer loop, or None."""
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+    optional = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+    for name in required + optional:
+        value = getattr(config, name, None)
+        if (value is not None or name in required) and not (isinstance(value, int) and value >= 1):
+            return f"{name} must be an integer >= 1, got {value!r}"
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 1
+    if not getattr(config, "head_dim", None) and config.hidden_size % heads:
+        return f"hidden_size {config.hidden_size} is not a multiple of num_attention_heads {heads}"
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    return None
+
+
+def _file_kind(path: Path) -> str:
+    with path.open("rb") as f:
+        magic = f.read(4)
+    return "a GGUF file" if magic == b"GGUF" else "a file"
+
+
+def check_weight_files(directory: Path) -> None:
+    """Open every safetensors file's header, so that a truncated or garbage file is named in the error."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise UserError(f"cannot load the model weights {str(file)!r}: {exc}") from exc
 
 
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Load an HF causal LM from a directory, with a clear error when it can't be read."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     config = read_target_config(path)
+    check_weight_files(Path(path))
     try:
         model: nn.Module = AutoModelForCausalLM.from_pretrained(Path(path), config=config, dtype=dtype)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise UserError(f"cannot load the model weights in {str(path)!r}: {exc}") from exc
     return model.to(device)
