@@ -7,8 +7,12 @@
 - With an API key, `/v1/*` needs `Authorization: Bearer KEY` (else 401); `/health` and `/metrics` stay open,
   for probes and scrapers.
 - Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`; a body that does not validate is a
-  400 (not FastAPI's 422); a full queue is a 429 with `Retry-After`; a failed decode step is a 500; any
+  400 (not FastAPI's 422), as is a string the tokenizer cannot take (a lone surrogate, a NUL) or a token id
+  outside the vocabulary; a full queue is a 429 with `Retry-After`; a failed decode step is a 500; any
   other failure of ours is a 500 with one log line, never a traceback (`ddtree.server.faults`).
+- Tokenising runs off the event loop (`asyncio.to_thread`), so that `/health` and the streams of other
+  requests go on while a long prompt is tokenised. Detokenising stays on the loop: it decodes a few ids at
+  a time, as they come (`ddtree.server.text`).
 - `model`: the server serves one model, the id `/v1/models` lists. A request may name it or leave `model`
   out (or null); any other name is a 404 with code `model_not_found`, as OpenAI answers, before any work.
 - A body over `max_body_bytes` (by `Content-Length`, or as read) is a 413, code `request_too_large`; a body
@@ -25,7 +29,7 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -36,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.engine.requests import Request as DecodeRequest
-from ddtree.server.errors import ApiError, api_error_response, shutting_down, validation_error
+from ddtree.server.errors import ApiError, api_error_response, bad_request, shutting_down, validation_error
 from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
@@ -153,8 +157,7 @@ async def models(request: Request) -> dict[str, Any]:
 @_v1.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
-    _check_model(state, body.model)
-    prompt = completion_prompt(state.model, body.prompt)
+    prompt = await _tokenised(state, body, lambda: completion_prompt(state.model, body.prompt))
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
     return await _generate(state, request, body, prompt, max_tokens, chat=False)
 
@@ -162,11 +165,24 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @_v1.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = _state(request)
-    _check_model(state, body.model)
-    prompt = chat_prompt(state.model, body.messages)
+    prompt = await _tokenised(state, body, lambda: chat_prompt(state.model, body.messages))
     asked = body.new_tokens()
     max_tokens = asked if asked is not None else max(state.model.max_model_len - len(prompt), 1)
     return await _generate(state, request, body, prompt, max_tokens, chat=True)
+
+
+async def _tokenised(state: ServerState, body: Sampling, tokenise: Callable[[], list[int]]) -> list[int]:
+    """The body's strings and model checked, then its prompt tokenised: in a thread, off the event loop."""
+
+    def run() -> list[int]:
+        problem = body.text_problem()
+        if problem is not None:
+            param, message = problem
+            raise bad_request(message, param=param)
+        _check_model(state, body.model)
+        return tokenise()
+
+    return await asyncio.to_thread(run)
 
 
 async def _generate(

@@ -1,4 +1,8 @@
-"""Prompts to token ids: completions' text or ids, and chat messages through the model's chat template."""
+"""Prompts to token ids: completions' text or ids, and chat messages through the model's chat template.
+
+These run the tokenizer, so the app calls them off the event loop (`asyncio.to_thread`): a prompt of a
+megabyte takes a second or more to tokenise. Token ids, given or made, are checked against `[0, vocab)`.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,16 @@ from typing import Any
 
 from ddtree.server.errors import bad_request
 from ddtree.server.model import ServedModel
-from ddtree.server.schemas import ChatMessage
+from ddtree.server.schemas import ChatMessage, show
+
+SHOWN_IDS = 5
 
 
-def completion_prompt(model: ServedModel, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-    """One prompt: a string or a list of token ids (a list holding one of these is unwrapped)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def completion_prompt(model: ServedModel, prompt: str | list[int]) -> list[int]:
+    """One prompt: a string, or token ids (`CompletionRequest` has unwrapped a list holding one)."""
     if isinstance(prompt, str):
         return _checked(model, [int(i) for i in model.tokenizer.encode(prompt)], "prompt")
-    ids = [i for i in prompt if isinstance(i, int)]
-    if len(ids) != len(prompt):
-        raise bad_request("one prompt per request: a string or a list of token ids", param="prompt")
-    return _checked(model, ids, "prompt")
+    return _checked(model, list(prompt), "prompt")
 
 
 def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
@@ -43,7 +44,9 @@ def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
 def _checked(model: ServedModel, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise bad_request("the prompt has no tokens", param=param)
-    bad = [i for i in ids if not 0 <= i < model.vocab_size]
+    bad = [(at, i) for at, i in enumerate(ids) if not 0 <= i < model.vocab_size]
     if bad:
-        raise bad_request(f"token ids outside the vocabulary (size {model.vocab_size}): {bad[:5]}", param=param)
+        listed = ", ".join(f"{show(i)} at index {at}" for at, i in bad[:SHOWN_IDS])
+        more = f" and {len(bad) - SHOWN_IDS} more" if len(bad) > SHOWN_IDS else ""
+        raise bad_request(f"token ids outside the vocabulary [0, {model.vocab_size}): {listed}{more}", param=param)
     return ids

@@ -7,21 +7,32 @@ Defaults, and what is not OpenAI's:
   is a synonym) the rest of the context, `max_model_len` minus the prompt, as OpenAI and vLLM do.
 - `seed`: a random one when absent. With a seed, a request's sampled tokens depend only on its prompt,
   settings and seed, never on the other requests in the batch.
-- `stop`: a string or a list of non-empty strings, matched on the text across token boundaries.
+- `stop`: a string or a list of up to `MAX_STOPS` non-empty strings of up to `MAX_STOP_CHARS` characters
+  each, matched on the text across token boundaries (the bounds keep the matching cheap per token).
 - `n`: only 1. `model`: the served model's id (what `/v1/models` lists) or absent; another name is a 404
   (`model_not_found`). Responses name the served model.
-- `prompt`: a string or a list of token ids (or a list holding one of these); one prompt per request.
+- `prompt`: a string or a list of token ids (or a list holding one of these); one prompt per request. Token
+  ids are JSON integers (not booleans or floats); their range is checked against the vocabulary later
+  (`ddtree.server.prompts`), where its size is known.
+- Text: no string anywhere in a body (prompt, messages and their extra fields, stop, model) may hold a lone
+  surrogate (`"\ud800"` is valid JSON but not encodable as UTF-8) or a NUL character: `text_problem` finds
+  the first such string, and the app answers 400 naming where it is and the character.
 - Accepted and ignored: `top_p`, `presence_penalty`, `frequency_penalty`, `logprobs`, `user`, and any other
   field.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+SHOWN_CHARS = 24  # of a bad value quoted in an error message
+ONE_PROMPT = "one prompt per request: a string or a list of token ids"
 
 
 class _Body(BaseModel):
@@ -36,8 +47,8 @@ class Sampling(_Body):
     """The fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int | None = None
@@ -48,7 +59,7 @@ class Sampling(_Body):
     @classmethod
     def _one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise ValueError(f"n must be 1 (this server returns one choice per request), got {value}")
+            raise ValueError(f"n must be 1 (this server returns one choice per request), got {show(value)}")
         return value
 
     @field_validator("stop")
@@ -57,6 +68,11 @@ class Sampling(_Body):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters, got one of {len(longest)}")
         return value
 
     def stop_list(self) -> list[str]:
@@ -65,9 +81,28 @@ class Sampling(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def text_problem(self) -> tuple[str, str] | None:
+        """The first string of the body that cannot go on to the tokenizer: (its top field, the message)."""
+        return text_problem(self)
+
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """A list holding one prompt is unwrapped; a list of ids must hold JSON integers only."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]
+        if not isinstance(value, list):
+            return value  # a string, or something the field's own validation refuses
+        for index, item in enumerate(value):
+            if isinstance(item, str | list):
+                raise ValueError(ONE_PROMPT)
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise ValueError(f"token ids are integers; got {show(item)} at index {index}")
+        return value
 
 
 class TextPart(_Body):
@@ -93,7 +128,54 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
 
     def new_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+
+def show(value: Any) -> str:
+    """A value as JSON would write it, cut short, and ASCII only (so that the error message always encodes)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return _cut(text)
+
+
+def text_problem(body: BaseModel) -> tuple[str, str] | None:
+    """The first string in `body` (fields, extra fields, nested lists and objects, keys too) that holds a lone
+    surrogate or a NUL character: (the top-level field, a message naming the path and the character)."""
+    stack: list[tuple[str, str, Any]] = [(name, name, value) for name, value in reversed(_items(body))]
+    while stack:  # depth first, in document order; no recursion, however deep the JSON
+        top, path, value = stack.pop()
+        if isinstance(value, str):
+            problem = _char_problem(value)
+            if problem is not None:
+                return top, f"{path}: the string holds {problem}"
+        elif isinstance(value, BaseModel | dict):
+            items = _items(value) if isinstance(value, BaseModel) else [(str(k), v) for k, v in value.items()]
+            keys = [(top, f"{path} (a key)", key) for key, _ in items]
+            values = [(top, f"{path}.{_cut(key)}", item) for key, item in items]  # keys are checked first
+            stack += reversed([*keys, *values])
+        elif isinstance(value, list):
+            stack += reversed([(top, f"{path}[{i}]", item) for i, item in enumerate(value)])
+    return None
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}..."
+
+
+def _items(model: BaseModel) -> list[tuple[str, Any]]:
+    fields = [(name, getattr(model, name)) for name in type(model).model_fields]
+    return fields + list((model.model_extra or {}).items())
+
+
+def _char_problem(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate {text[exc.start]!a} at character {exc.start}, which UTF-8 cannot encode"
+    at = text.find("\x00")
+    return f"a NUL character ({chr(0)!a}) at character {at}" if at >= 0 else None
