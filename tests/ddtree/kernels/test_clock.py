@@ -6,12 +6,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ddtree.kernels.clock import stamp, stamps_available
 
+ROOT = Path(__file__).resolve().parents[3]
 DEVICE = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and importlib.util.find_spec("triton") is not None:
     # Built now, at collection: test_tree_build.py sets TRITON_INTERPRET=1 for the whole run when collected.
@@ -49,19 +53,30 @@ def test_no_stamps_from_a_kernel_built_for_the_interpreter() -> None:
     assert DEVICE.type == "cuda" or isinstance(stamp_kernel, InterpretedFunction)
 
 
-def test_the_kernel_reads_the_global_timer_into_its_entry() -> None:
+# Compiles the kernel in a fresh interpreter without TRITON_INTERPRET: Triton's interpreter leaves triton.language.core
+# patched for good once a kernel calls a jitted library function (tl.sum, tl.max, ...), so that, in this process, a
+# compile of `out_ptr + index` reaches the interpreter's builder. A cache of its own, so the PTX is compiled here.
+_COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ddtree.kernels._clock_triton import stamp_kernel
+
+source = ASTSource(fn=stamp_kernel, signature={"out_ptr": "*i64", "index": "i32"}, constexprs={})
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+
+
+def test_the_kernel_reads_the_global_timer_into_its_entry(tmp_path: Path) -> None:
     """Compiled for sm_90 without a GPU: one 64-bit read of %globaltimer and one store."""
     pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    from ddtree.kernels._clock_triton import stamp_kernel
-
-    kernel = JITFunction(stamp_kernel.fn)  # the function itself: the tests' TRITON_INTERPRET wraps it otherwise
-    source = ASTSource(fn=kernel, signature={"out_ptr": "*i64", "index": "i32"}, constexprs={})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    ptx = done.stdout
     assert ptx.count("%globaltimer") == 1
     assert ptx.count("st.global.b64") == 1
 
