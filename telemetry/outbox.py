@@ -129,16 +129,29 @@ class Outbox:
         self.ledger.add_steps([s for item in items for s in item.steps])
         self.ledger.add_requests([r for item in items for r in item.requests])
 
-    def close(self, last: tuple[Any, ...]) -> bool:
-        """Queue `last` (the exporter's close message, which it answers once its sinks are closed) and wait
-        while records keep moving; True if the exporter had every record. What it did not is counted as
-        dropped and said on stderr (the log may be the sink that stalled)."""
+    def drain(self) -> bool:
+        """Wait until the exporter has acknowledged every record queued so far, for as long as records keep
+        moving (a write or an acknowledgement every `STALL_TIMEOUT_S`); True if it has them all."""
+        with self.cond:
+            self.moved_at = time.monotonic()
+            self.cond.notify_all()
+            while self._pending() and not self.done and time.monotonic() - self.moved_at < STALL_TIMEOUT_S:
+                self.cond.wait(0.05)
+            return not self._pending()
+
+    def _pending(self) -> bool:
+        return bool(self.queue or self.writing or self.unacked)
+
+    def close(self, last: tuple[Any, ...], timeout_s: float) -> bool:
+        """Queue `last` (the exporter's close message, which it answers once its sinks are closed) and wait up
+        to `timeout_s` (call `drain` first for a backlog); True if the exporter had every record. What it did
+        not is counted as dropped and said on stderr (the log may be the sink that stalled)."""
         with self.cond:
             self.queue.append(_Item(last, 0, [], []))
             self.closing = True
-            self.moved_at = time.monotonic()
             self.cond.notify_all()
-            while not self.done and time.monotonic() - self.moved_at < STALL_TIMEOUT_S:
+            deadline = time.monotonic() + timeout_s
+            while not self.done and time.monotonic() < deadline:
                 self.cond.wait(0.05)
             left = [*self.queue, *self.writing, *(item for group in self.unacked for item in group)]
             left = [item for item in left if item.message is not last]

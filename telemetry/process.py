@@ -79,6 +79,10 @@ class ExporterProcess:
         self.prometheus_port: int | None = value
         self.outbox: Outbox | None = Outbox(self.conn, config.buffer_bytes, self.ledger)
 
+    def drain(self) -> bool:
+        """Wait while the exporter takes the records queued so far (`Outbox.drain`); True if it has them all."""
+        return self.outbox is None or self.outbox.drain()
+
     def dropped(self) -> dict[str, int]:
         """Records dropped since start, by kind (`semconv.DROPPED_*`)."""
         return self.ledger.counts()
@@ -116,7 +120,7 @@ class ExporterProcess:
         sure the process ends: killed if it has not within `CLOSE_TIMEOUT_S` after that."""
         outbox, self.outbox = getattr(self, "outbox", None), None
         if outbox is not None:
-            outbox.close(("close",))  # answered once the sinks are closed
+            outbox.close(("close",), CLOSE_TIMEOUT_S)  # answered once the sinks are closed
         with contextlib.suppress(OSError):
             self.conn.close()
         try:

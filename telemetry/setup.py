@@ -147,9 +147,16 @@ class Telemetry:
     prometheus_port: int | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
     dropped: Callable[[], dict[str, int]] = dict  # records dropped so far, by kind (`semconv.DROPPED_*`)
+    drain: Callable[[], bool] = lambda: True  # wait while the exporter takes what is queued (see `shutdown`)
 
     def shutdown(self, timeout_s: float = 3.0) -> None:
-        """Flush and stop exporters, bounded in time: a dead endpoint cannot hang the exit."""
+        """Hand the exporter every record (for as long as it keeps taking them: a backlog is not cut short, a
+        stalled sink is given up on within seconds), then flush and stop the exporters, bounded by `timeout_s`:
+        a dead endpoint cannot hang the exit."""
+        flush = getattr(self.observer, "flush", None)
+        if flush is not None:
+            flush(timeout_s)  # the hand-off thread's records reach the queue
+        self.drain()
         worker = threading.Thread(target=self._close_all, daemon=True)
         worker.start()
         worker.join(timeout_s)
@@ -233,6 +240,7 @@ def build(
         prometheus_port=exporter.prometheus_port,
         closers=[collector.close, exporter.close],
         dropped=exporter.dropped,
+        drain=exporter.drain,
     )
 
 

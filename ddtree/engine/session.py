@@ -154,6 +154,17 @@ class DecodeSession:
             observer.on_session(stamped)
 
     @property
+    def few_shapes(self) -> bool:
+        """Whether key spans are rounded up to `SPAN_BUCKET` (on CUDA: graphs and compiled regions are made per
+        shape, so few shapes are made)."""
+        return self.target.device.type == "cuda"
+
+    @property
+    def compiles_per_shape(self) -> bool:
+        """Whether the first step of each shape compiles regions or captures graphs (so its time is start-up)."""
+        return self.cuda_graphs or self.fused
+
+    @property
     def num_slots(self) -> int:
         return len(self.slots)
 
@@ -343,11 +354,11 @@ class DecodeSession:
         # Each step in flight may commit up to one tree's depth that the host has not read yet.
         ahead = (1 + len(self._inflight)) * self.proposer.width
         span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
-        if self.target.device.type == "cuda":  # few shapes: graphs and compiled regions are made per shape
+        if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
         key = (rows.n, span, sampled)
-        warmup = (self.cuda_graphs or self.fused) and self.runner.is_new(key)  # compiles or captures
+        warmup = self.compiles_per_shape and self.runner.is_new(key)  # this step compiles or captures
         self.observer.on_step_start(self.steps, rows.n, warmup)
         bag = self.runner.run(key, {"span": span, "sampled": sampled, "rows": rows})
         ticket = self._readback.start(bag["out"])

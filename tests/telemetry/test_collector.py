@@ -334,3 +334,29 @@ def test_stamped_records_reach_the_sinks_in_groups_of_32() -> None:
     assert sorted(set(seen)) == [0, STAMPED_DRAIN_EVERY, 2 * STAMPED_DRAIN_EVERY]
     collector.on_generate_end([])
     assert [s.step for s in sink.steps] == list(range(2 * STAMPED_DRAIN_EVERY + 3))
+
+
+def test_warmup_steps_are_marked_and_kept_out_of_the_stage_times() -> None:
+    """A step the loop says compiles or captures reaches the log marked `warmup`, its span too, and adds
+    nothing to the stage-duration histogram; it still counts as a step with its tokens."""
+    from telemetry.hooks import GenerateInfo
+
+    captured = captured_telemetry()
+    collector = captured.collector
+    collector.on_generate_start(GenerateInfo("ddtree", 4, None, 0.0, 8, 0, ["r"], [[1]]))
+    for step, warmup in enumerate([True, False, False]):
+        collector.on_step_start(step, 1, warmup)
+        for stage in sc.STAGES:
+            collector.on_stage_start(stage)
+            collector.on_stage_end(stage)
+        collector.on_accept(step, None, [1])  # type: ignore[arg-type]
+        collector.on_step_end(step, [2])
+    collector.on_generate_end([])
+    lines = [x for x in captured.log_lines() if x["event"] == sc.EVENT_STEP]
+    assert [x[sc.FIELD_WARMUP] for x in lines] == [True, False, False]
+    assert [x[sc.FIELD_ACTIVE_REQUESTS] for x in lines] == [1, 1, 1] and [x[sc.FIELD_ROWS] for x in lines] == [1] * 3
+    durations = captured.metric_points()[sc.METRIC_STAGE_DURATION]
+    assert {p.attributes[sc.LABEL_STAGE]: p.count for p in durations} == dict.fromkeys(sc.STAGES, 2)
+    assert captured.counter(sc.METRIC_STEPS) == 3
+    spans = [s for s in captured.spans.get_finished_spans() if s.name == sc.SPAN_STEP]
+    assert sorted(s.attributes[sc.ATTR_WARMUP] for s in spans) == [False, False, True]

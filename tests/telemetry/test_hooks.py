@@ -12,7 +12,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         self.calls.append(("step_start", step))
 
     def on_stage_start(self, stage: str) -> None:

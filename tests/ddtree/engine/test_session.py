@@ -19,7 +19,7 @@ class Rows(NoopObserver):
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         self.rows.append(batch_size)
 
 
@@ -164,7 +164,7 @@ class Probes(NoopObserver):
     def on_session(self, stamped: bool) -> None:
         self.sessions.append(stamped)
 
-    def on_step_start(self, step: int, batch_size: int) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
         self.current = step
 
     def on_tree(self, tree: Any) -> None:
