@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import resource
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,9 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger(__name__)
+from ddtree.server.logs import guarded_logger
+
+log = guarded_logger(__name__)  # each kind of line once a minute
 
 BODY_BACKSTOP_S = 2.0
 FD_RESERVE_MIN = 128  # descriptors kept for everything but client connections (model files, threads, logs)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,9 +20,10 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddtree.server.errors import ApiError, api_error_response, internal_error, shutting_down
+from ddtree.server.logs import guarded_logger
 from ddtree.server.responses import DONE
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)  # each kind of line once a minute
 
 EVENT_STREAM = b"text/event-stream"
 

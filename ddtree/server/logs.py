@@ -6,8 +6,9 @@ Hostile traffic makes the same record again and again: uvicorn's "Invalid HTTP r
 `window_s` seconds, and marks the first record after the window with how many it dropped. A kind is the
 logger, the level, the first line of the message and the exception's type.
 
-`guard_logs()` puts one filter on each logger named in `GUARDED` (idempotent). A filter on a logger sees
-only the records logged on that logger itself, so each of ours that may repeat is named here.
+A filter on a logger sees only the records logged on that logger itself: our loggers that may repeat put one
+on themselves (`guarded_logger`); `guard_logs()`, called when the server is made, puts one on asyncio's and
+uvicorn's (idempotent).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 WINDOW_S = 60.0
 MAX_KINDS = 1024  # kinds remembered; past this the memory is cleared (a flood of distinct records stays bounded)
-GUARDED = ("asyncio", "uvicorn.error", "ddtree.server.faults", "ddtree.server.connections")
+GUARDED = ("asyncio", "uvicorn.error")
 
 Kind = tuple[str, int, str, str]
 
@@ -65,3 +66,9 @@ def guard_logs(names: tuple[str, ...] = GUARDED) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, OncePerWindow) for f in logger.filters):
             logger.addFilter(OncePerWindow())
+
+
+def guarded_logger(name: str) -> logging.Logger:
+    """`logging.getLogger(name)` with a `OncePerWindow` on it."""
+    guard_logs((name,))
+    return logging.getLogger(name)

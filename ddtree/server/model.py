@@ -36,7 +36,7 @@ class ServerSettings:
     max_connections: int | None = None  # open at once; None: sized from `ulimit -n` (connection_budget)
     backlog: int | None = None  # queued by the kernel before accept (uvicorn's); None: sized as max_connections
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept (uvicorn's timeout_keep_alive)
-    max_header_bytes: int = 16 * 1024  # a request head larger than this is a 400 (h11_max_incomplete_event_size)
+    max_header_bytes: int = 16 * 1024  # a head still incomplete past this size is a 400 (h11_max_incomplete_event_size)
     options: EngineOptions = field(default_factory=EngineOptions)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import httpx
 import pytest
@@ -21,13 +21,14 @@ from ddtree.errors import UserError
 from ddtree.server.app import create_app
 from ddtree.server.connections import (
     BODY_BACKSTOP_S,
+    ConnectionTable,
     GuardedH11Protocol,
     connection_budget,
     descriptors_needed,
     fd_limit,
 )
 from ddtree.server.model import ServedModel, check_settings
-from ddtree.server.run import GracefulServer
+from ddtree.server.run import GracefulServer, make_server
 from tests.ddtree.server.conftest import BUDGET, MAX_MODEL_LEN, settings_for
 from tests.ddtree.server.support import free_port, live_server, wait_until
 
@@ -78,9 +79,8 @@ def _still_open(sock: socket.socket) -> bool:
         sock.setblocking(True)
 
 
-def _table(server: GracefulServer) -> Any:
-    protocol: type[GuardedH11Protocol] = server.config.http_protocol_class  # type: ignore[assignment]
-    return protocol.table
+def _table(server: GracefulServer) -> ConnectionTable:
+    return cast(type[GuardedH11Protocol], server.config.http_protocol_class).table
 
 
 def test_half_sent_requests_are_closed_after_their_timeouts(tiny_dirs: tuple[Path, Path], served: ServedModel) -> None:
@@ -152,6 +152,27 @@ def test_with_every_connection_busy_a_new_one_gets_503(tiny_dirs: tuple[Path, Pa
             answer = _read_to_eof(sock, time.monotonic() + 30)
             assert answer is not None and answer.startswith(b"HTTP/1.1 200 "), answer
             sock.close()
+
+
+def test_an_unfinished_head_over_max_header_bytes_is_a_400(tiny_dirs: tuple[Path, Path], served: ServedModel) -> None:
+    settings = settings_for(tiny_dirs, max_header_bytes=1024)
+    with live_server(create_app(settings, served)) as (url, _, _):
+        ok = _connect(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 512 + b"\r\n\r\n")
+        big = _connect(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 2048)  # buffered, not yet parsed
+        assert (_read_to_eof(big, time.monotonic() + 10) or b"").startswith(b"HTTP/1.1 400 ")
+        assert ok.recv(4096).startswith(b"HTTP/1.1 200 ")
+        ok.close()
+        big.close()
+
+
+def test_uvicorn_gets_the_settings_it_has_names_for(tiny_dirs: tuple[Path, Path], served: ServedModel) -> None:
+    settings = settings_for(tiny_dirs, keep_alive_timeout=7, max_header_bytes=4096, backlog=33, max_connections=44)
+    server = make_server(create_app(settings, served), "127.0.0.1", 0)
+    config = server.config
+    assert (config.timeout_keep_alive, config.h11_max_incomplete_event_size, config.backlog) == (7, 4096, 33)
+    assert config.limit_concurrency is None  # the cap is the protocol's, at accept time
+    protocol = cast(type, config.http)
+    assert issubclass(protocol, GuardedH11Protocol) and protocol.table.limits.max_connections == 44
 
 
 def test_the_default_cap_and_backlog_are_sized_from_the_descriptor_limit() -> None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from ddtree.server.app import create_app
 from ddtree.server.logs import OncePerWindow
 from ddtree.server.model import ServedModel
+from ddtree.server.run import make_server
+from tests.ddtree.server.conftest import settings_for
 
 
 @pytest.fixture
@@ -56,6 +60,12 @@ def test_once_per_window_drops_repeats_and_says_how_many() -> None:
     late = record("socket.accept() out of system resource\nsocket: fd=%d", 7)
     assert guard.filter(late) and "[999 more like this dropped in the last 60 s]" in late.getMessage()
     assert not guard.filter(record("socket.accept() out of system resource\nsocket: fd=%d", 8))
+
+
+def test_the_loggers_that_may_repeat_are_guarded(tiny_dirs: tuple[Path, Path], served: ServedModel) -> None:
+    make_server(create_app(settings_for(tiny_dirs), served), "127.0.0.1", 0)  # configures uvicorn's logging
+    for name in ("ddtree.server.faults", "ddtree.server.connections", "asyncio", "uvicorn.error"):
+        assert any(isinstance(f, OncePerWindow) for f in logging.getLogger(name).filters), name
 
 
 def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(
