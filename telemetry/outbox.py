@@ -58,6 +58,10 @@ class DropLedger:
             self.new.requests.extend(request_ids)
             self.totals[sc.DROPPED_REQUEST] += len(request_ids)
 
+    def has_new(self) -> bool:
+        with self.lock:
+            return bool(self.new.steps or self.new.requests)
+
     def take(self) -> DropReport | None:
         """What was dropped since the last call, or None if nothing was."""
         with self.lock:
@@ -140,7 +144,7 @@ class Outbox:
             return not self._pending()
 
     def _pending(self) -> bool:
-        return bool(self.queue or self.writing or self.unacked)
+        return bool(self.queue or self.writing or self.unacked) or self.ledger.has_new()
 
     def close(self, last: tuple[Any, ...], timeout_s: float) -> bool:
         """Queue `last` (the exporter's close message, which it answers once its sinks are closed) and wait up
@@ -184,7 +188,7 @@ class Outbox:
         try:
             while not self._finished():
                 items = self._batch()
-                report = self.ledger.take() if items else None
+                report = self.ledger.take()  # also with nothing queued: drops are said once the sink drains
                 if report is not None:
                     self.conn.send(("dropped", report))
                     self._written([])

@@ -72,7 +72,8 @@ def create_app(settings: ServerSettings, model: ServedModel | None = None) -> Fa
     """The app for `settings`; `model` (already loaded) lets tests build several apps on one pair."""
     served = model if model is not None else load_model(settings)
     worker = DecodeWorker(lambda: served.new_session(settings.max_batch_size), settings.max_queue)
-    state = ServerState(settings, served, worker, ServerMetrics(worker.waiting, worker.running), int(time.time()))
+    metrics = ServerMetrics(worker.waiting, worker.running, served.telemetry.dropped)
+    state = ServerState(settings, served, worker, metrics, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

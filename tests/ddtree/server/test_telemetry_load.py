@@ -91,8 +91,9 @@ def test_a_log_pipe_that_stops_draining_leaves_the_server_answering(
     monkeypatch.setattr(process, "RECORD_BYTES", 1 << 17)  # eight step records fill the queue's MiB
     served = _served(tiny_dirs, fifo, monkeypatch, DDTREE_TELEMETRY_BUFFER_MB="1")
     app = create_app(settings_for(tiny_dirs, max_batch_size=16, max_queue=CLIENTS), served)
-    try:
-        with live_server(app) as (url, _, _):
+    chunks: list[bytes] = []
+    with ThreadPoolExecutor(1) as pool:
+        with live_server(app) as (url, _, _):  # at its end, the server shuts telemetry down
             steps = 0
             for i in range(120):  # one at a time: each step serves one request, so the steps add up
                 body = {"prompt": WORDS[i % len(WORDS)], "max_tokens": 12, "temperature": 0}
@@ -102,14 +103,10 @@ def test_a_log_pipe_that_stops_draining_leaves_the_server_answering(
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200
             dropped = _samples(url)[DROPPED_STEPS]
             assert dropped > 0, "the stalled pipe made telemetry drop steps, and /metrics says how many"
-    finally:
-        os.set_blocking(reader, True)
-        chunks: list[bytes] = []
-        with ThreadPoolExecutor(1) as pool:
+            os.set_blocking(reader, True)  # the pipe's reader wakes up: what was kept reaches the log
             done = pool.submit(lambda: [chunks.append(c) for c in iter(lambda: os.read(reader, 1 << 16), b"")])
-            served.telemetry.shutdown(timeout_s=60)
-            done.result(60)
-        os.close(reader)
+        done.result(60)
+    os.close(reader)
     lines = [json.loads(line) for line in b"".join(chunks).decode().splitlines()]
     logged = [line[sc.FIELD_STEP] for line in lines if line["event"] == sc.EVENT_STEP]
     said = [s for line in lines if sc.FIELD_DROPPED_STEP_IDS in line for s in line[sc.FIELD_DROPPED_STEP_IDS]]
