@@ -189,6 +189,7 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds requests in flight get on SIGTERM (default 30)",
     )
+    _connection_args(serve)
     _device_args(serve, graphs=True)
     serve.set_defaults(func=_serve)
 
@@ -366,6 +367,19 @@ def _overhead(
     return 0
 
 
+def _connection_args(serve: argparse.ArgumentParser) -> None:
+    """What a client may hold: the server's timeouts and limits against slow or hostile connections."""
+    seconds = float_flag(0, above=True)
+    serve.add_argument("--header-timeout", type=seconds, default=10.0, help="seconds to send a request's headers")
+    serve.add_argument("--body-timeout", type=seconds, default=30.0, help="seconds to send a body (else 408)")
+    serve.add_argument(
+        "--max-connections", type=POSITIVE, default=None, help="connections open at once (default: from ulimit -n)"
+    )
+    serve.add_argument("--backlog", type=POSITIVE, default=None, help="pending connections (default: with the cap)")
+    serve.add_argument("--keep-alive-timeout", type=POSITIVE, default=5, help="seconds an idle connection stays open")
+    serve.add_argument("--max-header-bytes", type=POSITIVE, default=16384, help="larger request heads get 400")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ddtree.server.model import ServerSettings, check_settings
 
@@ -381,6 +395,12 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        backlog=args.backlog,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
         options=_engine_options(args),
     )
     check_settings(settings)  # before the default pair is pulled or anything loads

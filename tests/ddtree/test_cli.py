@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,26 @@ def test_triton_attention_without_a_gpu_is_a_clear_error(
     assert main(["bench", *pair, "--limit", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("ddtree: error: --attention triton needs triton and a CUDA device") == 2
+
+
+def test_serve_hands_its_connection_limits_to_the_server(
+    tiny_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddtree.server import run
+
+    seen: list[Any] = []
+    monkeypatch.setattr(run, "serve", lambda settings, host, port: seen.append(settings))
+    target, drafter = tiny_dirs
+    limits = ["--header-timeout", "2.5", "--body-timeout", "7", "--max-connections", "64", "--backlog", "16"]
+    limits += ["--keep-alive-timeout", "3", "--max-header-bytes", "4096"]
+    assert main(["serve", "--model", str(target), "--drafter", str(drafter), *limits]) == 0
+    (settings,) = seen
+    assert (settings.header_timeout, settings.body_timeout) == (2.5, 7.0)
+    assert (settings.max_connections, settings.backlog) == (64, 16)
+    assert (settings.keep_alive_timeout, settings.max_header_bytes) == (3, 4096)
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
+def test_serve_refuses_a_timeout_that_is_not_positive(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", flag, "0"]) == 2
+    assert f"{flag} must be > 0" in capsys.readouterr().err
