@@ -202,11 +202,20 @@ def _mutants() -> list[Mutant]:
             RECONCILE,
         ),
         Mutant(
-            "exporter-loses-last-group",
-            "the decode process does not send the steps it holds when requests end",
-            "telemetry/process.py",
-            (('        self._send_steps()\n        self._send(("end"', '        self._send(("end"'),),
-            ("tests/telemetry/test_process.py",),
+            "outbox-drops-uncounted",
+            "a step record refused by the full telemetry queue is dropped without being counted",
+            "telemetry/outbox.py",
+            (("                self._drop([item])\n                return\n", "                return\n"),),
+            ("tests/telemetry/test_stall.py::test_a_stalled_log_pipe_costs_counted_records_never_a_stalled_step",),
+        ),
+        Mutant(
+            "drop-report-only-with-traffic",
+            "what telemetry dropped is said in the log only when new records come after the sink drains",
+            "telemetry/outbox.py",
+            (("report = self.ledger.take()  # also", "report = self.ledger.take() if items else None  # also"),),
+            (
+                "tests/ddtree/server/test_telemetry_load.py::test_a_log_pipe_that_stops_draining_leaves_the_server_answering",
+            ),
         ),
         Mutant(
             "otlp-drops-counted-per-batch",

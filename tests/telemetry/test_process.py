@@ -85,3 +85,20 @@ def test_a_named_pipe_that_no_one_reads_is_a_clear_error_at_once(tmp_path: Path)
     os.mkfifo(fifo)
     with pytest.raises(TelemetryConfigError, match="named pipe that no process reads"):
         start_telemetry(logged(tmp_path, log_file=str(fifo)))
+
+
+def test_a_large_budget_generate_logs_every_step(tmp_path: Path) -> None:
+    """B=256 with two prompts (the largest records a step sends): every step and both requests reach the log,
+    and the steps' tau is the requests' own."""
+    target, drafter = tiny_pair(9, vocab=16)
+    telemetry = start_telemetry(logged(tmp_path))
+    result = Engine(target, drafter, observer=telemetry.observer).generate(
+        random_prompts(9, 2, vocab=16), GenerationConfig(budget=256, max_new_tokens=48)
+    )
+    telemetry.shutdown()
+    lines = read_lines(tmp_path / "steps.jsonl")
+    steps = [line for line in lines if line["event"] == sc.EVENT_STEP]
+    assert sorted(line[sc.FIELD_STEP] for line in steps) == list(range(result.steps))
+    per_request = sum(len(line[sc.FIELD_REQUEST_IDS]) for line in steps)
+    assert per_request == sum(len(o.acceptance_lengths) for o in result.outputs)
+    assert max(line[sc.FIELD_TREE_NODES][0] for line in steps) > 64, "the trees are large"
