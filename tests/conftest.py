@@ -24,6 +24,13 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, drafter
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`DDTREE_TEST_ORDER=reverse` runs the collected tests last to first: a test that passes only after (or
+    before) another shows up as a failure in one of the two orders."""
+    if os.environ.get("DDTREE_TEST_ORDER") == "reverse":
+        items.reverse()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line, just above pytest's own summary, naming the tools whose tests were skipped."""
     tools: dict[str, int] = {}
