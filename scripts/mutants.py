@@ -209,15 +209,6 @@ def _mutants() -> list[Mutant]:
             ("tests/telemetry/test_stall.py::test_a_stalled_log_pipe_costs_counted_records_never_a_stalled_step",),
         ),
         Mutant(
-            "drop-report-only-with-traffic",
-            "what telemetry dropped is said in the log only when new records come after the sink drains",
-            "telemetry/outbox.py",
-            (("report = self.ledger.take()  # also", "report = self.ledger.take() if items else None  # also"),),
-            (
-                "tests/ddtree/server/test_telemetry_load.py::test_a_log_pipe_that_stops_draining_leaves_the_server_answering",
-            ),
-        ),
-        Mutant(
             "otlp-drops-counted-per-batch",
             "a failed span export counts one drop per batch instead of one per span",
             "telemetry/setup.py",

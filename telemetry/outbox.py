@@ -107,7 +107,9 @@ class Outbox:
         self.gone: str | None = None  # why the exporter process cannot be written to, once it cannot
         self.moved_at = time.monotonic()  # the last write or acknowledgement
         self.thread = threading.Thread(target=self._run, name="ddtree-telemetry-send", daemon=True)
+        self.reader = threading.Thread(target=self._acks, name="ddtree-telemetry-acks", daemon=True)
         self.thread.start()
+        self.reader.start()
 
     def put_step(self, step: int, record: tuple[Any, ...], size: int) -> None:
         """Queue a step record, or count it dropped if the queue is full."""
@@ -177,7 +179,7 @@ class Outbox:
         """Wait for work and take it (the sender's side of the condition)."""
         with self.cond:
             if not self.queue:
-                self.cond.wait(0.05 if self.closing or self.unacked else SEND_EVERY_S)
+                self.cond.wait(SEND_EVERY_S)
             items = list(self.queue)
             self.queue.clear()
             self.queued_steps = 0
@@ -185,51 +187,62 @@ class Outbox:
             return items
 
     def _run(self) -> None:
+        """The sender: writes what is queued until the close message has been answered."""
         try:
             while not self._finished():
                 items = self._batch()
                 report = self.ledger.take()  # also with nothing queued: drops are said once the sink drains
                 if report is not None:
-                    self.conn.send(("dropped", report))
-                    self._written([])
+                    self._send(("dropped", report), [])
                 for message, group in _writes(items):
-                    self.conn.send(message)
-                    self._written(group)
-                self._read_acks()
-        except (OSError, EOFError, ValueError) as exc:  # the exporter process is gone (or the connection closed)
-            with self.cond:
-                self.gone = f"{type(exc).__name__}: {exc}"
-                self._drop([*self.queue, *self.writing, *(item for group in self.unacked for item in group)])
-                self.queue.clear()
-                self.unacked.clear()
-                self.writing = []
-                self.queued_bytes = 0
+                    self._send(message, group)
+        except (OSError, ValueError) as exc:  # the exporter process is gone (or the connection closed)
+            self._lost(exc)
         finally:
             with self.cond:
                 self.done = True
                 self.cond.notify_all()
 
-    def _finished(self) -> bool:
-        with self.cond:
-            return self.closing and not self.queue and not self.unacked and not self.writing
-
-    def _written(self, group: list[_Item]) -> None:
+    def _send(self, message: tuple[Any, ...], group: list[_Item]) -> None:
+        """Write one message; its items wait for their acknowledgement from before the write (the answer may
+        come before `send` returns)."""
         with self.cond:
             self.unacked.append(group)
             written = {id(item) for item in group}
             self.writing = [item for item in self.writing if id(item) not in written]
+        self.conn.send(message)
+        with self.cond:
             self.moved_at = time.monotonic()
-        self._read_acks()
 
-    def _read_acks(self) -> None:
-        """Take the exporter's acknowledgements that have arrived (each ends one written message's wait)."""
-        while self.conn.poll(0):
-            self.conn.recv()  # ("ack",), or ("ok", None) for the close message
-            with self.cond:
-                group = self.unacked.popleft()
-                self.queued_bytes -= sum(item.size for item in group)
-                self.moved_at = time.monotonic()
-                self.cond.notify_all()
+    def _acks(self) -> None:
+        """The reader: each acknowledgement ends the wait of the oldest message written ("ack", or ("ok", None)
+        for the close message). The only thread that reads the connection."""
+        try:
+            while True:
+                self.conn.recv()
+                with self.cond:
+                    group = self.unacked.popleft()
+                    self.queued_bytes -= sum(item.size for item in group)
+                    self.moved_at = time.monotonic()
+                    self.cond.notify_all()
+        except (OSError, EOFError, ValueError, TypeError, IndexError) as exc:  # gone, or closed under the read
+            self._lost(exc)
+
+    def _lost(self, exc: BaseException) -> None:
+        """The exporter process cannot be reached: whatever it has not acknowledged is dropped, and counted."""
+        with self.cond:
+            if self.gone is None and not (self.closing and not self._pending()):
+                self.gone = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._drop([*self.queue, *self.writing, *(item for group in self.unacked for item in group)])
+            self.queue.clear()
+            self.unacked.clear()
+            self.writing = []
+            self.queued_bytes = 0
+            self.cond.notify_all()
+
+    def _finished(self) -> bool:
+        with self.cond:
+            return self.gone is not None or (self.closing and not self.queue and not self.unacked and not self.writing)
 
 
 def _writes(items: list[_Item]) -> list[tuple[tuple[Any, ...], list[_Item]]]:

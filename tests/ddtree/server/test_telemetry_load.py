@@ -18,7 +18,7 @@ from ddtree.server.model import ServedModel, load_model
 from telemetry import process
 from telemetry import semconv as sc
 from tests.ddtree.server.conftest import settings_for
-from tests.ddtree.server.support import live_server
+from tests.ddtree.server.support import live_server, wait_until
 
 CLIENTS = 64
 WORDS = ["a", "tree", "of", "drafts", "checked", "by", "the", "target", "in", "one", "pass"]
@@ -105,6 +105,8 @@ def test_a_log_pipe_that_stops_draining_leaves_the_server_answering(
             assert dropped > 0, "the stalled pipe made telemetry drop steps, and /metrics says how many"
             os.set_blocking(reader, True)  # the pipe's reader wakes up: what was kept reaches the log
             done = pool.submit(lambda: [chunks.append(c) for c in iter(lambda: os.read(reader, 1 << 16), b"")])
+            # and, with no request running, the log soon says what was dropped (not only at shutdown)
+            wait_until(lambda: sc.FIELD_DROPPED_STEP_IDS.encode() in b"".join(chunks), timeout=30)
         done.result(60)
     os.close(reader)
     lines = [json.loads(line) for line in b"".join(chunks).decode().splitlines()]
