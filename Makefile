@@ -73,7 +73,7 @@ setup-phoenix: $(PHOENIX_BIN)/phoenix
 
 # A run's spans sent to Phoenix and read back through its API; PHOENIX_ARGS="--keep" leaves it up to browse.
 phoenix: setup setup-phoenix
-	$(BIN)/python examples/phoenix_trace.py --phoenix-python $(PHOENIX_BIN)/python $(PHOENIX_ARGS)
+	$(BIN)/python scripts/phoenix_trace.py --phoenix-python $(PHOENIX_BIN)/python $(PHOENIX_ARGS)
 
 # The same as a test, over OTLP/HTTP and gRPC, with a screenshot where chromium is installed.
 test-phoenix: setup setup-phoenix

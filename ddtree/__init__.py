@@ -12,9 +12,9 @@ __all__ = ["AcceptResult", "DraftTree", "accept", "ancestor_mask", "build_tree"]
 __version__ = "0.1.0"
 
 _HOMES = {
-    "AcceptResult": "ddtree.verify",
-    "accept": "ddtree.verify",
-    "ancestor_mask": "ddtree.verify",
+    "AcceptResult": "ddtree.accept",
+    "accept": "ddtree.accept",
+    "ancestor_mask": "ddtree.tree",
     "DraftTree": "ddtree.tree",
     "build_tree": "ddtree.tree",
 }

@@ -13,19 +13,40 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """What one step verifies per request, resolved once from the method, the user's settings and the drafter:
+    `budget` draft nodes (0 for `ar`), found with at most `topk` candidates per depth (None: no cap)."""
+
+    method: str
+    budget: int
+    topk: int | None
+    label: str  # as tables and messages name the run (`Method.label` of the user's budget)
+
+    @property
+    def width(self) -> int:
+        """Tree nodes per request, the root included."""
+        return 1 + self.budget
+
+    @property
+    def drafting(self) -> bool:
+        return self.budget > 0
+
+
+@dataclass(frozen=True)
 class Method:
     name: str
     needs_drafter: bool
     chain: bool  # the tree is one path: budget = depth, top-k = 1
     tuned_by_budget: bool  # the budget is the user's to choose (and belongs in the label)
 
-    def tree_shape(self, budget: int, topk: int | None, depth: int) -> tuple[int, int | None]:
-        """The (budget, top-k) this method verifies, given the user's and the drafter's depth."""
+    def shape(self, budget: int, topk: int | None, depth: int) -> TreeShape:
+        """The tree this method verifies, given the user's budget and top-k and the drafter's depth."""
+        label = self.label(budget)
         if not self.needs_drafter:
-            return 0, None
+            return TreeShape(self.name, 0, None, label)
         if self.chain:
-            return depth, 1
-        return budget, topk
+            return TreeShape(self.name, depth, 1, label)
+        return TreeShape(self.name, budget, topk, label)
 
     def label(self, budget: int | None = None, topk: int | None = None) -> str:
         """`ar`, `dflash`, `ddtree B=32` or `ddtree B=32 k=8`: the one label format of tables and logs."""

@@ -5,22 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from ddtree.engine.decode import Engine, GenerationConfig, ModelDims, check_session, plan_session
+from ddtree.engine.capacity import ModelDims, check_session, plan_session
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.errors import UserError
 from ddtree.methods import get_method
+from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter, default_target
-from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter, read_drafter_config
-from ddtree.models.target import Target, load_target, read_target_config
-from ddtree.train.data import chat_ids
+from ddtree.models.dflash import DFlashDrafter, read_drafter_config
+from ddtree.models.pair import load_models, resolve_device, resolve_dtype
+from ddtree.models.target import Target, read_target_config
+from ddtree.observer import NOOP, StepObserver
 from telemetry import TelemetryConfig, start_telemetry
-from telemetry.hooks import NOOP, StepObserver
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,8 @@ class EngineOptions:
             if self.dtype == "float64":
                 raise UserError("--attention triton takes float32, bfloat16 or float16, not --dtype float64")
 
-    def load_pair(self, model: str, drafter: str | None) -> tuple[Target, DFlashDrafter | None, Any]:
-        return load_pair(model, drafter, self.device, self.dtype)
+    def load_models(self, model: str, drafter: str | None) -> tuple[Target, DFlashDrafter | None, Any]:
+        return load_models(model, drafter, self.device, self.dtype)
 
     def engine(self, target: Target, drafter: DFlashDrafter | None, observer: StepObserver = NOOP) -> Engine:
         return Engine(
@@ -74,20 +71,6 @@ class GenerateRequest:
     prompts: list[str] | None = None
     prompt_ids: list[list[int]] | None = None
     chat: bool = False
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 def check_request(request: GenerateRequest, vocab_size: int | None = None) -> None:
@@ -132,40 +115,8 @@ def check_capacity(
     device = resolve_device(options.device)
     drafter = read_drafter_config(drafter_dir) if drafter_dir is not None else None
     dims = ModelDims.of(read_target_config(model), resolve_dtype(options.dtype, device), drafter)
-    check_session(dims, plan_session(dims, config, slots, tokens), device)
-
-
-def load_pair(
-    model: str, drafter_dir: str | None, device_name: str = "auto", dtype_name: str = "auto"
-) -> tuple[Target, DFlashDrafter | None, Any]:
-    """Load and check the target (and drafter). Configs are checked before any weights are read."""
-    config = read_target_config(model)
-    device = resolve_device(device_name)
-    dtype = resolve_dtype(dtype_name, device)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, device, dtype)
-        check_pair(drafter, config)
-    hf_model = load_target(model, device, dtype)
-    target = Target(hf_model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
-    return target, drafter, _load_tokenizer(model)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
-
-
-def _load_tokenizer(path: str) -> Any:
-    """The directory's tokenizer; None where it has no tokenizer files, UserError where they are broken."""
-    from transformers import AutoTokenizer
-
-    present = [name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # tokenizers and transformers raise many kinds for a broken file
-        if not present:
-            return None
-        files = ", ".join(present)
-        raise UserError(f"cannot load the tokenizer in {path!r} ({files}): {type(exc).__name__}: {exc}") from exc
+    shape = dims.shape(config.method, config.budget, config.topk)
+    check_session(dims, plan_session(dims, shape, slots, tokens), device)
 
 
 def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
@@ -184,17 +135,6 @@ def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
     return encoded
 
 
-def eos_ids(tokenizer: Any, target: Target) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for source in (getattr(target.model, "generation_config", None), target.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return tuple(sorted(ids))
-
-
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
@@ -202,7 +142,7 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     TelemetryConfig.from_env()  # a bad telemetry variable fails here, before any model loads
     model, drafter_dir = resolve_paths(request.model, request.drafter, request.generation.method)
     check_request(request, int(read_target_config(model).vocab_size))
-    target, drafter, tokenizer = request.options.load_pair(model, drafter_dir)
+    target, drafter, tokenizer = request.options.load_models(model, drafter_dir)
     prompts = encode_prompts(request, tokenizer)
     config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
     telemetry = start_telemetry(

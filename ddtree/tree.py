@@ -8,7 +8,9 @@ Glossary
   under taking parents, since a parent is never less probable than its child.
 
 Node 0 is the root (the bonus token, unknown until verify time). Nodes 1..B are drafts in order of
-decreasing probability, so a parent always has a smaller index than its children.
+decreasing probability, so a parent always has a smaller index than its children. Verify runs every node in
+one target forward under `ancestor_mask`: node i sees the KV prefix, its ancestors and itself, at position
+`start + depth[i]`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,29 @@ class DraftTree:
         """[batch, 1+budget] bool: the root and the real draft nodes."""
         slots = torch.arange(self.width, device=self.tokens.device)
         return slots[None, :] <= self.num_nodes[:, None]
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[batch, nodes, nodes] bool: entry (i, j) is true when node j is node i or one of its ancestors.
+
+    Reachability by repeated squaring of the parent relation: log2(nodes) batched matmuls, no loop per node.
+    """
+    batch, width = tree.parents.shape
+    device = tree.parents.device
+    reach = torch.eye(width, device=device).expand(batch, -1, -1).clone()  # [batch, nodes, nodes]
+    has_parent = tree.parents >= 0
+    reach.scatter_add_(2, tree.parents.clamp(min=0)[:, :, None], has_parent[:, :, None].float())
+    reach = (reach > 0).float()
+    hops = 1
+    while hops < width:
+        reach = ((reach + reach @ reach) > 0).float()
+        hops *= 2
+    return reach > 0
+
+
+def positions(tree: DraftTree, start: torch.Tensor) -> torch.Tensor:
+    """[batch, nodes] position of each node: `start + depth`. `start` is `[batch]`."""
+    return start[:, None] + tree.depths
 
 
 def reachable_depth(budget: int, depth: int) -> int:

@@ -37,7 +37,7 @@ class Mutant:
 
 
 TREE = ("tests/ddtree/test_tree.py",)
-LOSSLESS = ("tests/ddtree/test_verify.py", "tests/ddtree/test_kv_cache.py", "tests/ddtree/engine/test_lossless.py")
+LOSSLESS = ("tests/ddtree/test_accept.py", "tests/ddtree/test_kv_cache.py", "tests/ddtree/engine/test_lossless.py")
 SAMPLING = ("tests/ddtree/test_sampling.py",)
 FLOOR = ("tests/ddtree/models/test_acceptance_floor.py",)
 RECONCILE = ("tests/telemetry/test_reconcile.py", "tests/telemetry/test_collector.py")
@@ -76,14 +76,14 @@ def _mutants() -> list[Mutant]:
         Mutant(
             "mask-parent-only",
             "the tree mask without the ancestor closure: a node sees its parent and itself only",
-            "ddtree/verify.py",
+            "ddtree/tree.py",
             (("    while hops < width:", "    while hops < 1:"),),
             LOSSLESS,
         ),
         Mutant(
             "verify-flat-positions",
             "every tree node verified at the root's position instead of start + depth",
-            "ddtree/engine/session.py",
+            "ddtree/engine/step.py",
             (
                 (
                     "positions = r.cache.lengths[:, None] + tree.depths",
@@ -95,14 +95,14 @@ def _mutants() -> list[Mutant]:
         Mutant(
             "accept-on-own-match",
             "a node is accepted when its own token matches, whatever happened to its ancestors",
-            "ddtree/verify.py",
+            "ddtree/accept.py",
             (("accepted_nodes = ~(ancestors & ~match[:, None, :]).any(dim=-1)", "accepted_nodes = match.clone()"),),
             LOSSLESS,
         ),
         Mutant(
             "accept-bonus-at-root",
             "the bonus token is the target's choice at the root, not after the last accepted node",
-            "ddtree/verify.py",
+            "ddtree/accept.py",
             (("bonus = target_tokens.gather(1, last).squeeze(1)", "bonus = target_tokens[:, 0]"),),
             LOSSLESS,
         ),
@@ -142,12 +142,12 @@ def _mutants() -> list[Mutant]:
         Mutant(
             "drafter-context-wrong-rows",
             "the drafter gets the target features of the first tree nodes, not of the accepted path (lossless)",
-            "ddtree/engine/session.py",
+            "ddtree/engine/step.py",
             (
                 (
-                    "index = result.path[:, :, None].expand(-1, -1, features.shape[-1])",
+                    "index = result.path[:, :, None].expand(-1, -1, s.features.shape[-1])",
                     "index = torch.arange(result.path.shape[1])[None, :, None].expand("
-                    "result.path.shape[0], -1, features.shape[-1])",
+                    "result.path.shape[0], -1, s.features.shape[-1])",
                 ),
             ),
             FLOOR,
@@ -211,7 +211,7 @@ def _mutants() -> list[Mutant]:
         Mutant(
             "otlp-drops-counted-per-batch",
             "a failed span export counts one drop per batch instead of one per span",
-            "telemetry/setup.py",
+            "telemetry/sinks.py",
             (("self.counter.add(len(spans))", "self.counter.add(1)"),),
             (
                 "tests/telemetry/test_export.py::test_an_unreachable_endpoint_costs_no_tokens_and_its_drops_are_counted_and_logged_once",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ddtree.observer import NOOP, NoopObserver, StepObserver
 from telemetry.config import TelemetryConfig, TelemetryConfigError
-from telemetry.hooks import NOOP, NoopObserver, StepObserver
 
 __all__ = ["NOOP", "NoopObserver", "StepObserver", "TelemetryConfig", "TelemetryConfigError", "start_telemetry"]
 

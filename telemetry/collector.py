@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddtree.observer import GenerateInfo, RequestResult, StepProbe
 from telemetry import semconv as sc
 from telemetry.handoff import HandOff
-from telemetry.hooks import GenerateInfo, RequestResult, StepProbe
 from telemetry.stats import StatsSink, StepStats, call_sinks
 from telemetry.timing import StageClock, clock_for
 
 if TYPE_CHECKING:
+    from ddtree.accept import AcceptResult
     from ddtree.tree import DraftTree
-    from ddtree.verify import AcceptResult
 
 
 @dataclass
@@ -69,7 +69,7 @@ STAMPED_DRAIN_EVERY = 32  # in a stamped session: records left before a step sta
 
 
 class Collector:
-    """Implements `telemetry.hooks.StepObserver`."""
+    """Implements `ddtree.observer.StepObserver`."""
 
     def __init__(
         self,

@@ -14,10 +14,10 @@ from typing import IO, Any, TextIO, cast
 import structlog
 
 from ddtree.methods import mean_acceptance_length
+from ddtree.observer import GenerateInfo, RequestResult
 from telemetry import semconv as sc
 from telemetry.config import TelemetryConfig, TelemetryConfigError
-from telemetry.hooks import GenerateInfo, RequestResult
-from telemetry.replay import PathTracker, path_ranks
+from telemetry.paths import PathTracker, path_ranks
 from telemetry.stats import StepStats
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from ddtree.observer import GenerateInfo, RequestResult
 from telemetry import semconv as sc
-from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.stats import StepStats
 
 Labels = tuple[tuple[str, str], ...]

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ddtree.observer import GenerateInfo, RequestResult
 from telemetry.config import TelemetryConfig, TelemetryConfigError
-from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.outbox import DropLedger, DropReport, Outbox
 from telemetry.stats import StepStats, call_sinks
 
@@ -162,7 +162,7 @@ def lower_priority() -> None:
 
 def serve(conn: Connection) -> None:
     """The exporter process: build the sinks from the config message, then feed them until closed."""
-    from telemetry.setup import build_sinks
+    from telemetry.sinks import build_sinks
 
     lower_priority()
     _, config, device_type, model_name = conn.recv()

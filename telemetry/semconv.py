@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Final
 
-# Stages of one decode step, in order.
-STAGE_DRAFT: Final = "draft"
-STAGE_TREE_BUILD: Final = "tree_build"
-STAGE_VERIFY: Final = "verify"
-STAGE_ACCEPT: Final = "accept"
-STAGES: Final = (STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_VERIFY, STAGE_ACCEPT)
+# Stages of one decode step, in order: the observer protocol's names (`ddtree.observer`), which the engine
+# calls its hooks with; the spans and the stage label below are named after them.
+from ddtree.observer import STAGE_ACCEPT, STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_VERIFY, STAGES
+
+__all__ = ["STAGES", "STAGE_ACCEPT", "STAGE_DRAFT", "STAGE_TREE_BUILD", "STAGE_VERIFY"]  # and every name below
 
 # Spans.
 SPAN_PREFIX: Final = "ddtree."

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from telemetry.hooks import GenerateInfo, RequestResult
+from ddtree.observer import GenerateInfo, RequestResult
 
 
 @dataclass(frozen=True)

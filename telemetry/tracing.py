@@ -15,8 +15,8 @@ from opentelemetry.trace import Link, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ddtree.methods import mean_acceptance_length
+from ddtree.observer import GenerateInfo, RequestResult
 from telemetry import semconv as sc
-from telemetry.hooks import GenerateInfo, RequestResult
 from telemetry.stats import StepStats
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C trace context: a client's `traceparent` header

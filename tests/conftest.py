@@ -10,7 +10,7 @@ if os.environ.get("DDTREE_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from tests.tools import MISSING_TOOL
 
 

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
+from ddtree.methods import TreeShape, get_method
 from ddtree.models.dflash import DFlashDrafter, drafter_config
 from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
@@ -41,3 +43,8 @@ def random_prompts(seed: int, batch: int, vocab: int, low: int = 1, high: int = 
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (batch,), generator=gen).tolist()
     return [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def shape_of(method: str, budget: int, topk: int | None, drafter: Any) -> TreeShape:
+    """The tree shape a session verifies for `method` with `budget` and `topk` on `drafter` (None for ar)."""
+    return get_method(method).shape(budget, topk, drafter.depth if drafter is not None else 0)

@@ -1,1 +1,1 @@
-"""The embedded decode loop (`ddtree.engine.decode`) and its KV cache (`ddtree.kv_cache`)."""
+"""The embedded decode loop (`ddtree.engine.engine`) and its KV cache (`ddtree.kv_cache`)."""

@@ -1,17 +1,18 @@
 """Run a decode step's stages eagerly or as CUDA graph replays.
 
-A step is a list of stages, each a function that reads and writes a dict of tensors (the "bag"), then a
-`finish` that assembles what the host reads back. All state that lives across steps sits in the session's own
-preallocated tensors, which the stages update in place, so a graph captured once per step shape replays any
-later step of that shape.
+A step is a list of stages, each a function of the step's state (`ddtree.engine.step.StepState`), then a
+`finish` that assembles what the host reads back. The runner knows the stages by name only: it calls them in
+order, between the observer's stage hooks, and never reads what they write. All state that lives across
+steps sits in the session's own preallocated tensors, which the stages update in place, so a graph captured
+once per step shape replays any later step of that shape on the state it was captured on.
 
 The first step of a shape runs eagerly, between the observer's stage hooks: it is a real step and the warm-up
 that capture needs. The graphs are captured right after it (capture records kernels without running them, so
 the state stays as the eager step left it) and replayed from the next step on. An unobserved step is one
-graph. An observed step is one graph too when it is `stamped`: the graph writes the GPU clock into the bag's
-`stamps` ([stages + 1] int64) before the first stage and after each one (`ddtree.kernels.clock`), `finish`
-reads them after the last, and a replay calls no stage hooks. Without stamps (no Triton) an observed step is
-one graph per stage, so that the observer's host-side stage marks fall between replays.
+graph. An observed step is one graph too when it is `stamped`: the graph writes the GPU clock into the
+state's `stamps` ([stages + 1] int64) before the first stage and after each one (`ddtree.kernels.clock`),
+`finish` reads them after the last, and a replay calls no stage hooks. Without stamps (no Triton) an observed
+step is one graph per stage, so that the observer's host-side stage marks fall between replays.
 """
 
 from __future__ import annotations
@@ -21,46 +22,64 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from ddtree.kernels.clock import stamp
-from telemetry import semconv
-from telemetry.hooks import NOOP, StepObserver
+from ddtree.observer import NOOP, StepObserver
 
-Bag = dict[str, Any]
-Stage = Callable[[Bag], None]
+CUDA_GRAPHS = ("auto", "on", "off")
+
+
+class Stamped(Protocol):
+    stamps: torch.Tensor | None  # [stages + 1] int64, the device clock; the runner's, when it stamps
+
+
+S = TypeVar("S", bound=Stamped)
+
+
+def use_cuda_graphs(mode: str, device: torch.device) -> bool:
+    """`auto`: on for CUDA devices; `on`: required (an error elsewhere); `off`: never."""
+    if mode not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {mode!r}")
+    if mode == "on" and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; the target is on {device}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 @dataclass
-class _Captured:
+class _Captured(Generic[S]):
     graphs: list[Any]  # torch.cuda.CUDAGraph, one for the step or one per stage
-    bag: Bag  # the graphs' static inputs and outputs
+    state: S  # the graphs' static inputs and outputs
     per_stage: bool  # one graph per stage, replayed between the observer's stage hooks
 
 
-class StepRunner:
+class StepRunner(Generic[S]):
     """Runs `stages` (name, function) and then `finish` for a step shape `key`, with the observer's stage hooks
-    around the stages (`finish` counts as part of the last stage) unless the step replays a stamped graph."""
+    around the stages (`finish` counts as part of the last stage) unless the step replays a stamped graph.
+    `after_stage(name, state)` runs after each stage that ran or replayed between the hooks, before its end
+    hook: where the caller shows the observer a stage's output."""
 
     def __init__(
         self,
-        stages: list[tuple[str, Stage]],
+        stages: list[tuple[str, Callable[[S], None]]],
         observer: StepObserver,
         cuda_graphs: bool,
-        finish: Stage,
+        finish: Callable[[S], None],
         stamped: bool = False,
         device: torch.device | str = "cuda",
+        after_stage: Callable[[str, S], None] | None = None,
     ) -> None:
         self.stages = stages
         self.device = device  # where the stamps live
         self.observer = observer
         self.cuda_graphs = cuda_graphs
         self.finish = finish
+        self.after_stage = after_stage
         self.stamped = stamped and cuda_graphs  # graphs time their stages on the device
         self.per_stage = observer is not NOOP and not self.stamped
-        self.captured: dict[tuple[Any, ...], _Captured] = {}
+        self.captured: dict[tuple[Any, ...], _Captured[S]] = {}
         self.shapes: set[tuple[Any, ...]] = set()  # every key run so far
 
     def is_new(self, key: tuple[Any, ...]) -> bool:
@@ -68,50 +87,51 @@ class StepRunner:
         per shape) and, with graphs, captures."""
         return key not in self.shapes
 
-    def run(self, key: tuple[Any, ...], constants: Bag) -> Bag:
-        """One step. `constants` (host values baked into the shape, part of `key`) seed the bag."""
+    def run(self, key: tuple[Any, ...], make: Callable[[], S]) -> S:
+        """One step of shape `key`; `make` makes a fresh state of that shape (for the eager step and, once,
+        for the graphs to own)."""
         self.shapes.add(key)
         entry = self.captured.get(key) if self.cuda_graphs else None
         if entry is None:
-            bag = self._eager(dict(constants))
+            state = self._eager(make())
             if self.cuda_graphs:
-                self.captured[key] = self._capture(dict(constants))
-            return bag
+                self.captured[key] = self._capture(make())
+            return state
         if not entry.per_stage:
             entry.graphs[0].replay()
-            return entry.bag
-        return self._observed(entry.bag, [_replay(graph) for graph in entry.graphs])
+            return entry.state
+        return self._observed(entry.state, [_replay(graph) for graph in entry.graphs])
 
-    def _eager(self, bag: Bag) -> Bag:
+    def _eager(self, state: S) -> S:
         runs = [stage for _, stage in self.stages]
-        return self._observed(bag, [*runs[:-1], _then(runs[-1], self.finish)])
+        return self._observed(state, [*runs[:-1], _then(runs[-1], self.finish)])
 
-    def _observed(self, bag: Bag, runs: list[Stage]) -> Bag:
-        """Run each stage (`runs[i]` does stage i's work on `bag`) between the observer's stage hooks."""
+    def _observed(self, state: S, runs: list[Callable[[S], None]]) -> S:
+        """Run each stage (`runs[i]` does stage i's work on `state`) between the observer's stage hooks."""
         obs = self.observer
         for (name, _), run in zip(self.stages, runs, strict=True):
             obs.on_stage_start(name)
-            run(bag)
-            if name == semconv.STAGE_TREE_BUILD:
-                obs.on_tree(bag["tree"])
+            run(state)
+            if self.after_stage is not None:
+                self.after_stage(name, state)
             obs.on_stage_end(name)
-        return bag
+        return state
 
-    def _groups(self) -> list[list[Stage]]:
+    def _groups(self) -> list[list[Callable[[S], None]]]:
         """What each graph runs: a stage each, or the whole step (with its stamps when stamped)."""
         runs = [stage for _, stage in self.stages]
         if self.per_stage:
             return [[run] for run in runs[:-1]] + [[runs[-1], self.finish]]
         if not self.stamped:
             return [[*runs, self.finish]]
-        timed = [_stamper(0)]  # the step's start, then each stage's end
+        timed: list[Callable[[S], None]] = [_stamper(0)]  # the step's start, then each stage's end
         for i, run in enumerate(runs):
             timed += [run, _stamper(i + 1)]
         return [[*timed, self.finish]]
 
-    def _capture(self, bag: Bag) -> _Captured:
+    def _capture(self, state: S) -> _Captured[S]:
         if self.stamped:
-            self._prepare_stamps(bag)
+            self._prepare_stamps(state)
         torch.cuda.synchronize()  # the warm-up step has finished before capture starts
         pool = torch.cuda.graph_pool_handle()
         graphs = []
@@ -122,39 +142,40 @@ class StepRunner:
                     warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                     with torch.cuda.graph(graph, pool=pool):
                         for stage in group:
-                            stage(bag)
+                            stage(state)
                 graphs.append(graph)
-        return _Captured(graphs=graphs, bag=bag, per_stage=self.per_stage)
+        return _Captured(graphs=graphs, state=state, per_stage=self.per_stage)
 
-    def _prepare_stamps(self, bag: Bag) -> None:
+    def _prepare_stamps(self, state: S) -> None:
         """The stamps' static buffer, and the stamp kernel compiled before capture. Where it cannot run (a GPU
         without NVIDIA's PTX), observed steps fall back to a graph per stage: telemetry never stops decoding."""
         try:
-            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device=self.device)  # [stages + 1]
+            stamps = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device=self.device)  # [stages + 1]
             for i in range(len(self.stages) + 1):
-                stamp(bag["stamps"], i)
+                stamp(stamps, i)
+            state.stamps = stamps
         except Exception as exc:  # any failure of the clock kernel means: no device stamps
             message = f"ddtree: no device clock stamps ({exc}); stage times come from events between graphs"
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-            bag.pop("stamps", None)
+            state.stamps = None
             self.stamped, self.per_stage = False, True
 
 
-def _replay(graph: Any) -> Stage:
-    """A stage that replays `graph` (its bag is the one it was captured on)."""
+def _replay(graph: Any) -> Callable[[Any], None]:
+    """A stage that replays `graph` (its state is the one it was captured on)."""
 
-    def run(_: Bag) -> None:
+    def run(_: Any) -> None:
         graph.replay()
 
     return run
 
 
-def _then(first: Stage, second: Stage) -> Stage:
+def _then(first: Callable[[S], None], second: Callable[[S], None]) -> Callable[[S], None]:
     """`first`, then `second`, as one stage."""
 
-    def run(bag: Bag) -> None:
-        first(bag)
-        second(bag)
+    def run(state: S) -> None:
+        first(state)
+        second(state)
 
     return run
 
@@ -173,19 +194,23 @@ def _no_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _stamper(index: int) -> Stage:
-    """A stage that writes the GPU clock into `bag["stamps"][index]`."""
+def _stamper(index: int) -> Callable[[Stamped], None]:
+    """A stage that writes the GPU clock into `state.stamps[index]`."""
 
-    def run(bag: Bag) -> None:
-        stamp(bag["stamps"], index)
+    def run(state: Stamped) -> None:
+        assert state.stamps is not None, "stamps are prepared before a stamped capture"
+        stamp(state.stamps, index)
 
     return run
+
+
+Tensors = dict[str, torch.Tensor]
 
 
 class GraphCache:
     """Runs a function of a few input tensors: eagerly the first time per key, as a CUDA graph replay after.
 
-    `fn` reads its inputs from a bag and writes its outputs into it. The first call of a key runs it eagerly
+    `fn` reads its inputs from a dict of tensors and writes its outputs into it. The first call of a key runs it eagerly
     on the caller's inputs (the warm-up), then captures it on clones of them, which become the graph's input
     buffers: later calls copy their inputs in and replay. The graphs share one memory pool, so a call's
     outputs are valid until the next call.
@@ -193,10 +218,10 @@ class GraphCache:
 
     def __init__(self, cuda_graphs: bool) -> None:
         self.cuda_graphs = cuda_graphs
-        self.captured: dict[tuple[Any, ...], tuple[Any, Bag]] = {}
+        self.captured: dict[tuple[Any, ...], tuple[Any, Tensors]] = {}
         self.pool: Any = None
 
-    def run(self, key: tuple[Any, ...], fn: Stage, inputs: dict[str, torch.Tensor]) -> Bag:
+    def run(self, key: tuple[Any, ...], fn: Callable[[Tensors], None], inputs: Tensors) -> Tensors:
         entry = self.captured.get(key) if self.cuda_graphs else None
         if entry is not None:
             graph, static = entry
@@ -204,13 +229,13 @@ class GraphCache:
                 static[name].copy_(value)
             graph.replay()
             return static
-        bag: Bag = dict(inputs)
-        fn(bag)
+        tensors = dict(inputs)
+        fn(tensors)
         if self.cuda_graphs:
             self.captured[key] = self._capture(fn, {name: value.clone() for name, value in inputs.items()})
-        return bag
+        return tensors
 
-    def _capture(self, fn: Stage, static: Bag) -> tuple[Any, Bag]:
+    def _capture(self, fn: Callable[[Tensors], None], static: Tensors) -> tuple[Any, Tensors]:
         torch.cuda.synchronize()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ddtree.accept import AcceptResult
 from ddtree.tree import DraftTree
-from ddtree.verify import AcceptResult
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def readout(
 
 
 class ReadbackProbe:
-    """A `telemetry.hooks.StepProbe` over the probe's columns of a readback: each field is cut out of the
+    """A `ddtree.observer.StepProbe` over the probe's columns of a readback: each field is cut out of the
     block when first read, so the decode thread only wraps the block and an observer pays for the rest where
     it reads them (telemetry does so off the decode thread)."""
 

@@ -15,11 +15,10 @@ from typing import Protocol
 import torch
 
 from ddtree.kv_cache import KVCache
-from ddtree.methods import get_method
+from ddtree.methods import TreeShape
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
-from ddtree.tree import DraftTree, build_tree, reachable_depth, root_only_tree
-from ddtree.verify import ancestor_mask
+from ddtree.tree import DraftTree, ancestor_mask, build_tree, reachable_depth, root_only_tree
 
 TREE_KERNELS = ("auto", "torch", "triton")
 
@@ -52,7 +51,7 @@ class Proposer(Protocol):
         """The tree to verify."""
 
     def ancestors(self, tree: DraftTree) -> torch.Tensor:
-        """`ddtree.verify.ancestor_mask(tree)`, `[batch, nodes, nodes]` bool."""
+        """`ddtree.tree.ancestor_mask(tree)`, `[batch, nodes, nodes]` bool."""
 
 
 class NoDraft:
@@ -139,7 +138,7 @@ def _tree_builder(
     kernel: str, device: torch.device
 ) -> tuple[Callable[[torch.Tensor, int, int | None], DraftTree], Callable[[DraftTree], torch.Tensor]]:
     """The tree build and its ancestor matrix. `torch`: `ddtree.tree.build_tree` and
-    `ddtree.verify.ancestor_mask`; `triton`: the fused kernels, which give the same tree and matrix; `auto`:
+    `ddtree.tree.ancestor_mask`; `triton`: the fused kernels, which give the same tree and matrix; `auto`:
     triton on CUDA where it imports, else torch."""
     if kernel == "auto":
         from ddtree.kernels.tree_build import default_tree_kernel
@@ -158,17 +157,11 @@ def _tree_builder(
 
 
 def make_proposer(
-    method: str,
-    target: Target,
-    drafter: DFlashDrafter | None,
-    budget: int,
-    topk: int | None,
-    tree_kernel: str = "auto",
+    shape: TreeShape, target: Target, drafter: DFlashDrafter | None, tree_kernel: str = "auto"
 ) -> Proposer:
-    facts = get_method(method)
-    if not facts.needs_drafter:
+    """What proposes `shape`'s trees: nothing for `ar`, else the drafter with the shape's budget and top-k."""
+    if not shape.drafting:
         return NoDraft(target.device)
     if drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter")
-    tree_budget, tree_topk = facts.tree_shape(budget, topk, drafter.depth)
-    return DrafterProposer(drafter, target, budget=tree_budget, topk=tree_topk, tree_kernel=tree_kernel)
+        raise ValueError(f"method {shape.method!r} needs a drafter")
+    return DrafterProposer(drafter, target, budget=shape.budget, topk=shape.topk, tree_kernel=tree_kernel)

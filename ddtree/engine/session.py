@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
 
-from ddtree.engine.graphs import Bag, GraphCache, Stage, StepRunner
-from ddtree.engine.probe import ProbeLayout, readout, split_rows
+from ddtree import observer as stages
+from ddtree.engine import step
+from ddtree.engine.graphs import GraphCache, StepRunner, Tensors, use_cuda_graphs
+from ddtree.engine.probe import split_rows
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device
 from ddtree.engine.requests import (
@@ -38,16 +42,14 @@ from ddtree.engine.requests import (
     round_up,
     row_bucket,
 )
+from ddtree.engine.step import Rows, StepModels, StepState
 from ddtree.kernels.clock import stamps_available
 from ddtree.kernels.tree_attention import resolve_attention
-from ddtree.kv_cache import KVCache
-from ddtree.methods import get_method
+from ddtree.methods import TreeShape
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
+from ddtree.observer import NOOP, GenerateInfo, RequestResult, StepObserver
 from ddtree.sampling import choose_tokens
-from ddtree.verify import accept
-from telemetry import semconv
-from telemetry.hooks import NOOP, GenerateInfo, RequestResult, StepObserver
 
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
@@ -59,37 +61,19 @@ class _Launch:
 
     step: int
     entries: list[Slot | None]  # the slots' occupants when it was launched
-    bag: Bag
+    state: StepState
     ticket: Any  # from `Readback.start`
-    layout: ProbeLayout | None  # where the probe sits in the rows read back; None: no probe
-
-
-@dataclass(frozen=True)
-class _Rows:
-    """Views of the first `n` slots of every per-slot tensor: a step runs only these rows."""
-
-    n: int
-    root: torch.Tensor  # [n]
-    context: torch.Tensor | None  # [n, width, features]
-    counts: torch.Tensor  # [n]
-    active: torch.Tensor  # [n]
-    temperature: torch.Tensor  # [n]
-    seed: torch.Tensor  # [n]
-    draw: torch.Tensor  # [n]
-    cache: KVCache
-    draft_cache: KVCache | None
 
 
 class DecodeSession:
-    """`slots` requests decoded together with one method, budget and top-k, in caches of `capacity` tokens."""
+    """`slots` requests decoded together with one tree shape (method, budget, top-k), in caches of `capacity`
+    tokens."""
 
     def __init__(
         self,
         target: Target,
         drafter: DFlashDrafter | None,
-        method: str,
-        budget: int,
-        topk: int | None,
+        shape: TreeShape,
         slots: int,
         capacity: int,
         observer: StepObserver = NOOP,
@@ -101,11 +85,11 @@ class DecodeSession:
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
-        if cuda_graphs and target.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {target.device}")
+        use_cuda_graphs("on" if cuda_graphs else "off", target.device)  # on: a CUDA device, or ValueError
         self.target = target
-        self.method = method
-        self.proposer = make_proposer(method, target, drafter, budget, topk, tree_kernel)
+        self.shape = shape
+        self.method = shape.method
+        self.proposer = make_proposer(shape, target, drafter, tree_kernel)
         self.attention = resolve_attention(attention, target.device, target.dtype)  # target and drafter: sdpa or triton
         self.observer = observer
         self.capacity = capacity
@@ -117,9 +101,7 @@ class DecodeSession:
         features = len(target.feature_layers) * target.hidden_size
         self.root = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] the next tree's root token
         self.context = (  # [slots, width, features] target features of the last accepted path
-            torch.zeros((slots, width, features), dtype=target.dtype, device=device)
-            if get_method(method).needs_drafter
-            else None
+            torch.zeros((slots, width, features), dtype=target.dtype, device=device) if shape.drafting else None
         )
         self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] real rows of `context`
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots] still decoding
@@ -133,23 +115,26 @@ class DecodeSession:
         # step reads back a probe, stamped by the device when its graph is one that can stamp.
         self.probed = observer is not NOOP
         stamped = self.probed and cuda_graphs and stamps_available(device)
-        self.runner = StepRunner(
+        self.models = StepModels(target, self.proposer, self.fused, self.attention, self.probed)
+        m = self.models
+        self.runner: StepRunner[StepState] = StepRunner(
             [
-                (semconv.STAGE_DRAFT, self._draft),
-                (semconv.STAGE_TREE_BUILD, self._build),
-                (semconv.STAGE_VERIFY, self._verify),
-                (semconv.STAGE_ACCEPT, self._accept),
+                (stages.STAGE_DRAFT, partial(step.draft, m)),
+                (stages.STAGE_TREE_BUILD, partial(step.build, m)),
+                (stages.STAGE_VERIFY, partial(step.verify, m)),
+                (stages.STAGE_ACCEPT, partial(step.accept_step, m)),
             ],
             observer,
             cuda_graphs,
-            finish=self._readout,
+            finish=partial(step.finish, m),
             stamped=stamped,
             device=device,
+            after_stage=self._show_tree,
         )
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
-        self._views: dict[int, _Rows] = {}
+        self._views: dict[int, Rows] = {}
         if self.probed:
             observer.on_session(stamped)
 
@@ -260,11 +245,10 @@ class DecodeSession:
 
     def _info(self, request: Request, slot: int) -> GenerateInfo:
         """What telemetry is told of a request that joins."""
-        proposer = self.proposer
         return GenerateInfo(
             method=self.method,
-            budget=proposer.width - 1,
-            topk=getattr(proposer, "topk", None),
+            budget=self.shape.budget,
+            topk=self.shape.topk,
             temperature=request.temperature,
             max_new_tokens=request.max_new_tokens,
             seed=request.seed,
@@ -289,13 +273,13 @@ class DecodeSession:
             "seed": to_device([r.seed for r in requests], device),  # [k]
         }
         sampled = any(r.temperature > 0 for r in requests)
-        bag = self._prefills.run((len(requests), width, sampled), self._prefill_stage(sampled), inputs)
+        tensors = self._prefills.run((len(requests), width, sampled), self._prefill_stage(sampled), inputs)
         reader = Readback(device, 1)
-        return FirstTokens(reader.start(bag["first"]), reader.wait)
+        return FirstTokens(reader.start(tensors["first"]), reader.wait)
 
-    def _prefill_stage(self, sampled: bool) -> Stage:
-        def run(bag: Bag) -> None:
-            tokens, lengths, index = bag["tokens"], bag["lengths"], bag["index"]
+    def _prefill_stage(self, sampled: bool) -> Callable[[Tensors], None]:
+        def run(tensors: Tensors) -> None:
+            tokens, lengths, index = tensors["tokens"], tensors["lengths"], tensors["index"]
             k, width = tokens.shape
             device = tokens.device
             steps = torch.arange(width, device=device)
@@ -314,14 +298,14 @@ class DecodeSession:
             if self.draft_cache is not None and draft_scratch is not None:
                 self.proposer.append_context(out.features, lengths, draft_scratch)
                 self.draft_cache.load_rows(index, draft_scratch)
-            self.temperature[index] = bag["temperature"]
-            self.seed[index] = bag["seed"]
+            self.temperature[index] = tensors["temperature"]
+            self.seed[index] = tensors["seed"]
             draw = torch.zeros_like(index)  # the prefill is each request's draw 0
-            first = choose_tokens(out.logits, bag["temperature"], bag["seed"], draw, sampled)[:, 0]  # [k]
+            first = choose_tokens(out.logits, tensors["temperature"], tensors["seed"], draw, sampled)[:, 0]  # [k]
             self.draw.index_fill_(0, index, 1)
             self.root[index] = first
             self.counts.index_fill_(0, index, 0)
-            bag["first"] = first
+            tensors["first"] = first
 
         return run
 
@@ -360,31 +344,32 @@ class DecodeSession:
         key = (rows.n, span, sampled)
         warmup = self.compiles_per_shape and self.runner.is_new(key)  # this step compiles or captures
         self.observer.on_step_start(self.steps, rows.n, warmup)
-        bag = self.runner.run(key, {"span": span, "sampled": sampled, "rows": rows})
-        ticket = self._readback.start(bag["out"])
-        self._inflight.append(_Launch(self.steps, list(self.slots), bag, ticket, bag["layout"]))
+        state = self.runner.run(key, lambda: StepState(rows, span, sampled))
+        ticket = self._readback.start(state.out)
+        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket))
         self.steps += 1
 
     def _finish(self, launch: _Launch) -> list[int]:
         host = self._read(launch)  # rows: [accepted, path tokens..., bonus]
-        self.observer.on_accept(launch.step, launch.bag["result"], [row[0] for row in host])
+        self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
         emitted = self._commit(host, launch.entries)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
 
     def _read(self, launch: _Launch) -> list[list[int]]:
         """The step's token rows, after an explicit wait; a probe read back with them goes to the observer."""
-        if launch.layout is None:
+        layout = launch.state.layout
+        if layout is None:
             return self._readback.wait(launch.ticket)
-        rows, probe = split_rows(self._readback.wait_array(launch.ticket), launch.layout)
+        rows, probe = split_rows(self._readback.wait_array(launch.ticket), layout)
         self.observer.on_probe(launch.step, probe)
         return rows
 
-    def _rows(self, n: int) -> _Rows:
+    def _rows(self, n: int) -> Rows:
         """Views of the first `n` slots (made once per `n`: graphs captured on them replay on them)."""
         rows = self._views.get(n)
         if rows is None:
-            rows = _Rows(
+            rows = Rows(
                 n,
                 self.root[:n],
                 None if self.context is None else self.context[:n],
@@ -399,45 +384,10 @@ class DecodeSession:
             self._views[n] = rows
         return rows
 
-    def _draft(self, bag: Bag) -> None:
-        r: _Rows = bag["rows"]
-        bag["logits"] = self.proposer.draft(
-            r.root, r.context, r.counts, r.draft_cache, bag["span"], self.fused, self.attention
-        )
-
-    def _build(self, bag: Bag) -> None:
-        tree = self.proposer.build(bag["logits"], bag["rows"].n)
-        bag["tree"] = tree
-        bag["ancestors"] = self.proposer.ancestors(tree)  # [slots, nodes, nodes]
-
-    def _verify(self, bag: Bag) -> None:
-        tree, r = bag["tree"], bag["rows"]
-        tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [n, nodes]
-        tokens[:, 0] = r.root
-        positions = r.cache.lengths[:, None] + tree.depths
-        verified = self.target.forward(
-            tokens, positions, bag["ancestors"], r.cache, bag["span"], fused=self.fused, attention=self.attention
-        )
-        bag["choice"] = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, bag["sampled"])
-        bag["features"] = verified.features
-
-    def _accept(self, bag: Bag) -> None:
-        r: _Rows = bag["rows"]
-        result = accept(bag["tree"], bag["ancestors"], bag["choice"], r.root)
-        counts = torch.where(r.active, result.accepted + 1, 0)  # [n] tokens each slot commits
-        r.cache.compact(result.path, counts)
-        features = bag["features"]
-        if features is not None and r.context is not None:
-            index = result.path[:, :, None].expand(-1, -1, features.shape[-1])
-            r.context.copy_(features.gather(1, index))
-        r.counts.copy_(counts)
-        r.root.copy_(result.bonus)
-        r.draw.add_(1)
-        bag["result"] = result
-
-    def _readout(self, bag: Bag) -> None:
-        """What the host reads back (after the last stage and its stamp): the tokens, and the probe if observed."""
-        bag["out"], bag["layout"] = readout(bag["result"], bag["tree"] if self.probed else None, bag.get("stamps"))
+    def _show_tree(self, stage: str, state: StepState) -> None:
+        """The tree, to the observer, once built (in steps that run between the stage hooks)."""
+        if stage == stages.STAGE_TREE_BUILD:
+            self.observer.on_tree(state.tree)
 
     def _commit(self, host: list[list[int]], launched_with: list[Slot | None]) -> list[int]:
         """Give each slot that decoded in this step and still does its accepted drafts and bonus, after its

@@ -1,4 +1,4 @@
-"""`ddtree.verify.ancestor_mask` in one Triton kernel.
+"""`ddtree.tree.ancestor_mask` in one Triton kernel.
 
 The torch function finds reachability by repeated squaring of the parent relation: log2(nodes) rounds of a
 batched matmul and its elementwise work, about 30 kernels for a 65-node tree, each a launch on a GPU. Here
@@ -24,7 +24,7 @@ def _kernels() -> ModuleType:
 
 
 def ancestor_mask_fused(tree: DraftTree) -> torch.Tensor:
-    """[batch, nodes, nodes] bool, as `ddtree.verify.ancestor_mask(tree)`: entry (i, j) is true when node j is
+    """[batch, nodes, nodes] bool, as `ddtree.tree.ancestor_mask(tree)`: entry (i, j) is true when node j is
     node i or one of its ancestors. Needs a CUDA device or TRITON_INTERPRET=1 (see
     `ddtree.kernels.tree_build.triton_available`)."""
     parents = tree.parents.contiguous()  # [batch, width]

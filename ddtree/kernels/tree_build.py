@@ -69,7 +69,7 @@ _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
 _BITONIC_MERGE = False  # vocab merge: one tl.topk (True) or a threshold search + compaction + sort (False)
 _BITONIC_BEAM = False  # beam and global selection: likewise
 # Bits a round of the threshold searches (1: binary search; 4: 16 thresholds counted per reduction, 8 rounds
-# instead of up to 32). Timed on the H200 (`examples/tree_build_device.py --knobs`): 4 bits made the vocab
+# instead of up to 32). Timed on the H200 (`benchmarks/tree_build_device.py --knobs`): 4 bits made the vocab
 # pass 2.7x slower and the merge no faster at k=256, and made the beam 1.7x faster at budget 64 (batch 1) and
 # 2.5x at budget 32 (batch 32) but 1.2x slower at budget 256. None: the beam picks by budget (`_beam_radix`).
 _RADIX_BITS_VOCAB = 1
@@ -79,7 +79,7 @@ _RADIX_BEAM_MAX_BUDGET = 64  # the beam's radix search up to this (padded) budge
 _LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}  # constant low bits of float32 keys of 16-bit logits
 # The vocab stage as one program per row (`vocab_row_kernel`: two passes over the row, a floor from the maxima
 # of stretches of _ROW_GROUP logits, candidates at or above it) instead of the partial and merge kernels: True,
-# False, or None for 16-bit logits only. On the H200 (`examples/tree_build_device.py --knobs`, batch 32, depth 15)
+# False, or None for 16-bit logits only. On the H200 (`benchmarks/tree_build_device.py --knobs`, batch 32, depth 15)
 # bfloat16 rows took 226 us against 265 at k = 256 and the same at k = 32; float32 rows took 251 against 214 at
 # k = 32. The whole step at batch 64, B = 16 (bfloat16) fell from 3.49 to 3.31 ms.
 _VOCAB_ROWS: bool | None = None

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
-from ddtree.methods import get_method
-from ddtree.runtime import EngineOptions, GenerateRequest, check_request, eos_ids, resolve_paths
+from ddtree.models.chat import eos_ids
+from ddtree.runtime import EngineOptions, GenerateRequest, check_request, resolve_paths
 from ddtree.server.connections import connection_budget, descriptors_needed, fd_limit
 from telemetry import TelemetryConfig, start_telemetry
 
@@ -92,7 +92,7 @@ class ServedModel:
     generation: GenerationConfig  # method, budget, top-k and end-of-sequence ids of every request
     max_model_len: int
     vocab_size: int
-    tree_budget: int  # the budget and top-k the engine verifies (`Method.tree_shape`)
+    tree_budget: int  # the budget and top-k the engine verifies (`Engine.shape`)
     tree_topk: int | None
     telemetry: Any = field(default_factory=lambda: start_telemetry(TelemetryConfig()))  # the off one by default
 
@@ -109,8 +109,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
     """Check the settings, then load and check the pair (UserError for anything the user can fix)."""
     check_settings(settings)
     model, drafter_dir = resolve_paths(settings.model, settings.drafter, settings.method)
-    facts = get_method(settings.method)
-    target, drafter, tokenizer = settings.options.load_pair(model, drafter_dir)
+    target, drafter, tokenizer = settings.options.load_models(model, drafter_dir)
     vocab_size = int(target.config.vocab_size)
     check_request(_generate_request(settings), vocab_size)
     max_model_len = _max_model_len(settings.max_model_len, target.config)
@@ -123,12 +122,13 @@ def load_model(settings: ServerSettings) -> ServedModel:
         detokenize=lambda ids: str(tokenizer.decode(ids)),
     )
     engine = settings.options.engine(target, drafter, telemetry.observer)
-    budget, topk = facts.tree_shape(settings.budget, settings.topk, drafter.depth if drafter is not None else 0)
-    if facts.needs_drafter and topk is None:
-        topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given
     generation = GenerationConfig(
         method=settings.method, budget=settings.budget, topk=settings.topk, eos_token_ids=eos_ids(tokenizer, target)
     )
+    shape = engine.shape(generation)
+    budget, topk = shape.budget, shape.topk
+    if shape.drafting and topk is None:
+        topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given
     return ServedModel(
         engine=engine,
         tokenizer=tokenizer,

@@ -2,7 +2,7 @@
 
 Every whole response carries `usage` and a `ddtree` block:
 `{"method", "budget", "topk", "steps", "mean_acceptance_length", "acceptance_histogram"}`. `budget` and
-`topk` are what the engine verifies (`Method.tree_shape`: `ar` 0 and null, `dflash` the drafter's depth
+`topk` are what the engine verifies (`Method.shape`: `ar` 0 and null, `dflash` the drafter's depth
 and 1). `steps` counts decode steps (the prefill's first token is not a step). `acceptance_histogram` is a
 list whose entry i counts the steps that accepted i + 1 tokens (accepted drafts + the bonus), up to the
 longest seen; `mean_acceptance_length` is null when there were no steps.

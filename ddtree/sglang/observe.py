@@ -1,6 +1,6 @@
 """Our telemetry inside SGLang's scheduler process, with `DDTREE_DEBUG_METRICS=1`.
 
-The same `telemetry.hooks.StepObserver` calls as our engine's, so spans, metrics and JSON step logs carry the
+The same `ddtree.observer.StepObserver` calls as our engine's, so spans, metrics and JSON step logs carry the
 same names (`telemetry.semconv`):
 
 - the DDTREE worker starts telemetry once per scheduler process (`start`), from the environment, when it is
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from ddtree.accept import AcceptResult
     from ddtree.tree import DraftTree
-    from ddtree.verify import AcceptResult
     from telemetry.collector import Collector
 
 FLAG = "DDTREE_DEBUG_METRICS"
@@ -97,7 +97,7 @@ class SGLangTelemetry:
 
     def join(self, reqs: list[Any]) -> None:
         """Report the requests of `reqs` not seen yet (each with its row in this batch as its slot)."""
-        from telemetry.hooks import GenerateInfo
+        from ddtree.observer import GenerateInfo
 
         for row, req in enumerate(reqs):
             if req.rid in self.requests or req.finished():
@@ -150,7 +150,7 @@ class SGLangTelemetry:
 
     def finish(self, reqs: list[Any]) -> None:
         """Report the requests of `reqs` that SGLang has finished."""
-        from telemetry.hooks import RequestResult
+        from ddtree.observer import RequestResult
 
         ended = []
         for req in reqs:

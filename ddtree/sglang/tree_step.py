@@ -11,7 +11,7 @@ Glossary (SGLang's words on the left)
 - commit: what the scheduler takes per request: `[d1..d_acc, bonus]` in a row of `stride` slots, and its
   length `acc + 1`.
 
-The accept walk is `ddtree.verify.accept`, the same one our engine runs.
+The accept walk is `ddtree.accept.accept`, the same one our engine runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.tree import DraftTree, build_tree
-from ddtree.verify import AcceptResult, accept, ancestor_mask
+from ddtree.accept import AcceptResult, accept
+from ddtree.tree import DraftTree, ancestor_mask, build_tree
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def full_mask(ancestors: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor:
 
 
 def accept_tree(verify: TreeVerify, target_tokens: torch.Tensor) -> AcceptResult:
-    """Walk the target's tokens `[bs, N]` down the tree (`ddtree.verify.accept`)."""
+    """Walk the target's tokens `[bs, N]` down the tree (`ddtree.accept.accept`)."""
     return accept(verify.tree, verify.ancestors, target_tokens, verify.tokens[:, 0])
 
 

@@ -4,7 +4,7 @@ Prefill and idle steps are DFlash's own (`super()`). A decode step is ours:
 
     draft (DFlash's draft forward, unchanged) -> per-depth logits from the draft hidden states
     -> `ddtree.tree.build_tree` -> target verify of [root] + nodes under the FULL tree mask
-    -> target token at every node (argmax, or a sample at T > 0) -> `ddtree.verify.accept`
+    -> target token at every node (argmax, or a sample at T > 0) -> `ddtree.accept.accept`
     -> move the accepted path's KV to the front of the window -> draft KV from the path's target hidden states
 
 The scheduler gets DFlash's output layout: rows of `block_size` slots holding `[d1..d_acc, bonus]` and the

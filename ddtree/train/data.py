@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.errors import UserError
+from ddtree.models.chat import chat_ids
 from ddtree.models.target import Target
 from ddtree.train.bundle import SHARD_BYTES, load_bundle, save_bundle, tensor_budget
 
@@ -32,17 +33,6 @@ DATA_BUNDLE = "data"
 class TrainingSequence:
     ids: list[int]
     prompt_len: int
-
-
-def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt wrapped in the tokenizer's chat template, ready for generation."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer.encode(prompt)]
 
 
 def next_turn_ids(tokenizer: Any, message: str) -> list[int]:
@@ -118,12 +108,15 @@ def write_training_data(
 ) -> int:
     """Write the target's greedy replies to `conversations` (lists of user turns) as a data file; returns
     the number of sequences. `target` is a target directory, None for the default target."""
+    from ddtree.models.chat import eos_ids
     from ddtree.models.default import default_target
-    from ddtree.runtime import eos_ids, load_pair
+    from ddtree.models.pair import load_models
 
     if max_new_tokens < 1 or batch_size < 1:
         raise UserError(f"--max-new-tokens and --batch-size must be >= 1, got {max_new_tokens} and {batch_size}")
-    target_model, _, tokenizer = load_pair(target if target is not None else str(default_target()), None, device, dtype)
+    target_model, _, tokenizer = load_models(
+        target if target is not None else str(default_target()), None, device, dtype
+    )
     if tokenizer is None:
         raise UserError("the target has no tokenizer")
     if any(len(turns) > 1 for turns in conversations):

@@ -108,12 +108,13 @@ def heldout_eval(
 ) -> dict[str, Any]:
     """tau of dflash and ddtree B=32, greedy, on the first `prompts` held-out prompts, with `ddtree bench`'s
     code on the drafter as saved in `drafter_dir` (eager engine: tau does not depend on it)."""
-    from ddtree.bench import heldout_prompts, run_bench
-    from ddtree.engine.decode import Engine
-    from ddtree.runtime import eos_ids, load_pair
-    from ddtree.train.data import chat_ids
+    from ddtree.bench.rows import run_bench
+    from ddtree.data import heldout_prompts
+    from ddtree.engine.engine import Engine
+    from ddtree.models.chat import chat_ids, eos_ids
+    from ddtree.models.pair import load_models
 
-    target, drafter, tokenizer = load_pair(target_dir, drafter_dir, device)
+    target, drafter, tokenizer = load_models(target_dir, drafter_dir, device)
     if tokenizer is None:
         raise ValueError(f"the held-out evaluation needs a tokenizer, and {target_dir!r} has none")
     encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]

@@ -65,7 +65,7 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     evaluation under "eval" when asked for)."""
     from transformers import AutoModelForCausalLM
 
-    from ddtree.runtime import resolve_device
+    from ddtree.models.pair import resolve_device
     from ddtree.train.data import read_sequences
     from ddtree.train.runs import add_eval, heldout_eval
     from ddtree.train.trainer import REPORT_FILE, train

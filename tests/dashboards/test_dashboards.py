@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.live import STAND_IN_NVML, dead_endpoint, scrape_until

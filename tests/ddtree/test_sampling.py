@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.sampling import choose_tokens, counter_uniform
 from tests.helpers import random_prompts, tiny_pair
 

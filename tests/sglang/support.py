@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 # `make test-sglang` sets DDTREE_REQUIRE_SGLANG=1: there a missing sglang fails instead of skipping.

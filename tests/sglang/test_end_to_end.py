@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from ddtree.bench import heldout_prompts
+from ddtree.data import heldout_prompts
+from ddtree.models.chat import chat_ids
 from ddtree.models.default import default_target
-from ddtree.train.data import chat_ids
 from tests.sglang.support import Run, ddtree_runs, requires_sglang, sglang_runs
 
 pytestmark = requires_sglang

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from ddtree.models.chat import chat_ids
 from ddtree.models.default import default_target
-from ddtree.train.data import chat_ids
 from telemetry import semconv as sc
 from tests.sglang.support import MAX_NEW_TOKENS, Run, histogram, requires_sglang, sglang_runs
 

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from telemetry.hooks import GenerateInfo, RequestResult, StepObserver, StepProbe
+from ddtree.observer import GenerateInfo, RequestResult, StepObserver, StepProbe
 
 # Tensor methods that read a tagged tensor's data into host memory without any dispatch on CPU.
 HOST_READS = frozenset({"numpy", "tolist", "cpu", "item", "__array__", "__dlpack__", "__repr__", "__format__"})

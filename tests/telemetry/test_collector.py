@@ -5,9 +5,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from telemetry import semconv as sc
-from tests.helpers import random_prompts, tiny_pair
+from tests.helpers import random_prompts, shape_of, tiny_pair
 from tests.telemetry.helpers import captured_telemetry
 
 
@@ -158,8 +158,8 @@ class _Steps:
 def test_records_reach_the_sinks_in_groups_and_all_by_the_end(with_verify: bool) -> None:
     """Records are handed on a group at a time while decoding (after a verify stage, or when too many wait
     without one), in step order, and every one by the end of `generate`."""
+    from ddtree.observer import GenerateInfo
     from telemetry.collector import DRAIN_EVERY, MAX_PENDING, Collector
-    from telemetry.hooks import GenerateInfo
 
     sink = _Steps()
     collector = Collector([sink])
@@ -189,7 +189,9 @@ def test_requests_that_join_and_leave_a_session_are_logged_by_slot() -> None:
 
     target, drafter = tiny_pair(4, vocab=16, block_size=4)
     captured = captured_telemetry()
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=2, capacity=96, observer=captured.collector)
+    session = DecodeSession(
+        target, drafter, shape_of("ddtree", 8, None, drafter), slots=2, capacity=96, observer=captured.collector
+    )
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     plan = [Request([1, 2, 3], 6, request_id="a", trace_parent=parent), Request([4], 14, request_id="b")]
     plan.append(Request([5, 6], 5, request_id="c"))  # joins slot 0 once "a" has left
@@ -225,8 +227,8 @@ def test_requests_that_join_and_leave_a_session_are_logged_by_slot() -> None:
 
 def test_assign_slots_names_each_rows_request_for_the_next_step() -> None:
     """A server whose batch rows move (SGLang): after `assign_slots`, row i of the step is that request."""
+    from ddtree.observer import GenerateInfo
     from telemetry.collector import Collector
-    from telemetry.hooks import GenerateInfo
 
     sink = _Steps()
     collector = Collector([sink])
@@ -254,8 +256,8 @@ def _probe(rows: int, stamps: list[int] | None) -> Any:
 
 
 def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:
+    from ddtree.observer import GenerateInfo
     from telemetry.collector import Collector
-    from telemetry.hooks import GenerateInfo
 
     sink = _Steps()
     collector = Collector([sink], tree_detail=tree_detail)
@@ -339,7 +341,7 @@ def test_stamped_records_reach_the_sinks_in_groups_of_32() -> None:
 def test_warmup_steps_are_marked_and_kept_out_of_the_stage_times() -> None:
     """A step the loop says compiles or captures reaches the log marked `warmup`, its span too, and adds
     nothing to the stage-duration histogram; it still counts as a step with its tokens."""
-    from telemetry.hooks import GenerateInfo
+    from ddtree.observer import GenerateInfo
 
     captured = captured_telemetry()
     collector = captured.collector

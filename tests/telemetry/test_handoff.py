@@ -59,9 +59,9 @@ def test_behind_it_refuses_step_records_but_never_starts_and_ends() -> None:
 
 def test_with_handoff_the_sinks_get_the_same_steps_as_without() -> None:
     """The same hook calls give the sinks the same records, in the same order, whichever thread resolves them."""
+    from ddtree.observer import GenerateInfo, RequestResult
     from telemetry import semconv as sc
     from telemetry.collector import Collector
-    from telemetry.hooks import GenerateInfo, RequestResult
 
     class Sink:
         def __init__(self) -> None:

@@ -7,10 +7,10 @@ import sys
 from types import FrameType
 from typing import Any
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.observer import NOOP
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig
-from telemetry.hooks import NOOP
 from tests.helpers import random_prompts, tiny_pair
 
 
@@ -38,7 +38,7 @@ def test_a_step_calls_only_the_noop_hooks() -> None:
     calls: list[str] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_globals.get("__name__", "").startswith("telemetry"):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith(("telemetry", "ddtree.observer")):
             calls.append(f"{frame.f_globals['__name__']}.{frame.f_code.co_qualname}")
 
     sys.setprofile(profile)
@@ -47,8 +47,8 @@ def test_a_step_calls_only_the_noop_hooks() -> None:
     finally:
         sys.setprofile(None)
     hooks = {
-        f"telemetry.hooks.NoopObserver.on_{h}"
+        f"ddtree.observer.NoopObserver.on_{h}"
         for h in ("step_start", "stage_start", "stage_end", "tree", "accept", "step_end")
     }
     assert set(calls) <= hooks, set(calls) - hooks
-    assert calls.count("telemetry.hooks.NoopObserver.on_step_start") == result.steps
+    assert calls.count("ddtree.observer.NoopObserver.on_step_start") == result.steps

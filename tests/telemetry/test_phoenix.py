@@ -1,4 +1,4 @@
-"""Opt-in: a real run's spans in Arize Phoenix, read back through its REST API (`examples/phoenix_trace.py`).
+"""Opt-in: a real run's spans in Arize Phoenix, read back through its REST API (`scripts/phoenix_trace.py`).
 
 Phoenix is heavy (its own virtualenv, `make setup-phoenix`), so it is kept out of the main install and out of
 the default test run: this module runs only when `$DDTREE_PHOENIX_PYTHON` names a python that has it, e.g.

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.decode import Engine, GenerationConfig, GenerationResult
+from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import Captured, captured_telemetry

@@ -5,8 +5,8 @@ import pickle
 import pytest
 import torch
 
+from ddtree.observer import GenerateInfo
 from ddtree.tree import build_tree
-from telemetry.hooks import GenerateInfo
 from telemetry.stats import StepStats
 from tests.telemetry.test_reconcile import walked_depth
 

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.kernels.clock import stamps_available
+from ddtree.observer import StepObserver
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
 from telemetry.collector import Collector
-from telemetry.hooks import StepObserver
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import captured_telemetry
 from tests.telemetry.sync_guard import GuardedObserver, SyncGuard

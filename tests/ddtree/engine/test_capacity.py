@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.engine import decode
-from ddtree.engine.decode import Engine, GenerationConfig, ModelDims, plan_session, session_bytes
+from ddtree.engine import capacity
+from ddtree.engine import engine as engine_module
+from ddtree.engine.capacity import ModelDims, plan_session, session_bytes
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.errors import CapacityError
 from ddtree.models.default import default_drafter
 from ddtree.models.dflash import read_drafter_config
@@ -32,7 +34,7 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> Engine:
     def refuse(*args: object, **kwargs: object) -> None:
         raise Allocated("a session was allocated")
 
-    monkeypatch.setattr(decode, "DecodeSession", refuse)
+    monkeypatch.setattr(engine_module, "DecodeSession", refuse)
     return Engine(target, drafter)
 
 
@@ -61,7 +63,7 @@ def test_more_tokens_than_the_context_are_refused(engine: Engine, method: str) -
 
 
 def test_buffers_larger_than_the_free_memory_are_refused(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decode, "free_memory", lambda device: 10**6)
+    monkeypatch.setattr(capacity, "free_memory", lambda device: 10**6)
     config = GenerationConfig(method="ddtree", budget=64, max_new_tokens=100)
     with pytest.raises(CapacityError) as excinfo:
         engine.generate([[1, 2, 3]] * 4, config)
@@ -73,9 +75,9 @@ def test_buffers_larger_than_the_free_memory_are_refused(engine: Engine, monkeyp
 def test_what_fits_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     target, drafter = tiny_pair(3, vocab=40, block_size=5)
     engine = Engine(target, drafter)
-    plan = plan_session(engine.dims, GenerationConfig(budget=8, max_new_tokens=6), slots=1, tokens=9)
+    plan = plan_session(engine.dims, engine.shape(GenerationConfig(budget=8, max_new_tokens=6)), slots=1, tokens=9)
     kv, tree = session_bytes(engine.dims, plan)
-    monkeypatch.setattr(decode, "free_memory", lambda device: kv + tree)  # exactly enough
+    monkeypatch.setattr(capacity, "free_memory", lambda device: kv + tree)  # exactly enough
     out = engine.generate([[1, 2, 3]], GenerationConfig(budget=8, max_new_tokens=6)).outputs[0]
     assert len(out.token_ids) == 6
 
@@ -90,7 +92,7 @@ def test_the_estimate_counts_what_the_session_allocates() -> None:
     """The KV caches of target and drafter as `DecodeSession` makes them, and a tree's mask and ancestors."""
     target, drafter = tiny_pair(3, vocab=40, block_size=5, dtype=torch.float32)
     engine = Engine(target, drafter)
-    plan = plan_session(engine.dims, GenerationConfig(budget=8), slots=2, tokens=100)
+    plan = plan_session(engine.dims, engine.shape(GenerationConfig(budget=8)), slots=2, tokens=100)
     kv, tree = session_bytes(engine.dims, plan)
     caches = (target.new_cache(2, plan.capacity), drafter.new_cache(2, plan.capacity, target.dtype, target.device))
     assert kv == sum(t.numel() * t.element_size() for c in caches for t in (c.keys, c.values))
@@ -102,7 +104,9 @@ def test_the_default_pair_at_batch_64_fits_an_h200_as_measured() -> None:
     smollm2 = tiny_llama_config(49152, hidden_size=576, num_layers=30, heads=9, kv_heads=3)
     smollm2.intermediate_size, smollm2.max_position_embeddings = 1536, 8192
     dims = ModelDims.of(smollm2, torch.bfloat16, read_drafter_config(default_drafter()))
-    kv, tree = session_bytes(dims, plan_session(dims, GenerationConfig(budget=64), slots=64, tokens=300))
+    kv, tree = session_bytes(
+        dims, plan_session(dims, dims.shape("ddtree", GenerationConfig(budget=64).budget, None), slots=64, tokens=300)
+    )
     assert kv + tree < 5 * 10**9
 
 
@@ -115,6 +119,6 @@ def test_the_check_from_configs_agrees_with_the_engine(
     check_capacity(target, drafter, GenerationConfig(budget=32), slots=8, tokens=2048, options=options)
     with pytest.raises(CapacityError, match="exceeds the model's context length"):
         check_capacity(target, drafter, GenerationConfig(budget=5000), slots=1, tokens=64, options=options)
-    monkeypatch.setattr(decode, "free_memory", lambda device: 10**6)
+    monkeypatch.setattr(capacity, "free_memory", lambda device: 10**6)
     with pytest.raises(CapacityError, match=r"ar with 8 request slots of up to 2048 tokens needs .* free on cpu"):
         check_capacity(target, None, GenerationConfig(method="ar"), slots=8, tokens=2048, options=options)

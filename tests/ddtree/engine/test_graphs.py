@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from ddtree.engine import graphs
-from ddtree.engine.graphs import Bag, Stage, StepRunner
+from ddtree.engine.graphs import StepRunner
+from ddtree.observer import NOOP, NoopObserver
 from telemetry import semconv as sc
-from telemetry.hooks import NOOP, NoopObserver
+from tests.helpers import shape_of
 
 
 class Calls(NoopObserver):
@@ -32,16 +33,23 @@ class Calls(NoopObserver):
         self.log.append(f"end {stage}")
 
 
-def _runner(log: list[str], observer: Any, cuda_graphs: bool, stamped: bool) -> StepRunner:
-    def stage(name: str) -> Stage:
-        def run(bag: Bag) -> None:
+class _State:
+    """A stand-in step state: the runner sees nothing of a state but its stamps."""
+
+    def __init__(self) -> None:
+        self.stamps: torch.Tensor | None = None
+
+
+def _runner(log: list[str], observer: Any, cuda_graphs: bool, stamped: bool) -> StepRunner[Any]:
+    def stage(name: str) -> Any:
+        def run(state: Any) -> None:
             log.append(name)
-            bag["tree"] = None
 
         return run
 
     stages = [(name, stage(name)) for name in sc.STAGES]
-    return StepRunner(stages, observer, cuda_graphs, finish=stage("finish"), stamped=stamped)
+    after = lambda name, state: log.append(f"after {name}")  # noqa: E731
+    return StepRunner(stages, observer, cuda_graphs, finish=stage("finish"), stamped=stamped, after_stage=after)
 
 
 def _plan(runner: StepRunner, log: list[str], monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
@@ -50,8 +58,10 @@ def _plan(runner: StepRunner, log: list[str], monkeypatch: pytest.MonkeyPatch) -
     plan = []
     for group in runner._groups():
         log.clear()
+        state = _State()
+        state.stamps = torch.zeros(len(sc.STAGES) + 1, dtype=torch.int64)  # [stages + 1]
         for run in group:
-            run({"stamps": None})
+            run(state)
         plan.append(list(log))
     return plan
 
@@ -75,13 +85,12 @@ def test_without_stamps_an_observed_step_is_a_graph_per_stage(monkeypatch: pytes
 
 def test_an_eager_step_reads_out_inside_the_last_stage() -> None:
     """The readout is a step of its own, but the accept stage's hooks still enclose it, as they did when the
-    accept stage built the readback: host-marked stage times are what they were."""
+    accept stage built the readback: host-marked stage times are what they were. The caller's `after_stage`
+    falls after each stage's work and before its end hook."""
     log: list[str] = []
-    _runner(log, Calls(log), cuda_graphs=False, stamped=False).run(("key",), {})
-    stages = [
-        x for s in sc.STAGES for x in (f"start {s}", s, *(["tree"] if s == sc.STAGE_TREE_BUILD else []), f"end {s}")
-    ]
-    assert log == [*stages[:-1], "finish", stages[-1]]
+    _runner(log, Calls(log), cuda_graphs=False, stamped=False).run(("key",), _State)
+    stages = [x for s in sc.STAGES for x in (f"start {s}", s, f"after {s}", f"end {s}")]
+    assert log == [*stages[:-2], "finish", *stages[-2:]]
 
 
 def test_without_a_working_clock_kernel_observed_steps_fall_back_to_a_graph_per_stage(
@@ -97,22 +106,22 @@ def test_without_a_working_clock_kernel_observed_steps_fall_back_to_a_graph_per_
     log: list[str] = []
     runner = _runner(log, Calls(log), cuda_graphs=True, stamped=True)
     runner.device = "cpu"
-    bag: Bag = {}
+    state = _State()
     with pytest.warns(RuntimeWarning, match="no device clock stamps"):
-        runner._prepare_stamps(bag)
-    assert "stamps" not in bag and not runner.stamped and runner.per_stage
+        runner._prepare_stamps(state)
+    assert state.stamps is None and not runner.stamped and runner.per_stage
     assert [len(group) for group in runner._groups()] == [1] * (len(sc.STAGES) - 1) + [2]
 
 
 class _DeferredGraph:
     """Stands in for a captured CUDA graph on CPU: a replay runs the group's Python again."""
 
-    def __init__(self, group: list[Stage], bag: Bag) -> None:
-        self.group, self.bag = group, bag
+    def __init__(self, group: list[Any], state: Any) -> None:
+        self.group, self.state = group, state
 
     def replay(self) -> None:
         for run in self.group:
-            run(self.bag)
+            run(self.state)
 
 
 def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,22 +138,30 @@ def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     ticks = iter(range(10_000, 10**9, 700))
     monkeypatch.setattr(graphs, "stamp", lambda buffer, index: buffer.__setitem__(index, next(ticks)))
 
-    def capture(self: StepRunner, bag: Bag) -> graphs._Captured:
+    def capture(self: StepRunner[Any], state: Any) -> graphs._Captured[Any]:
         if self.stamped:
-            bag["stamps"] = torch.zeros(len(self.stages) + 1, dtype=torch.int64)  # [stages + 1]
-        groups = [_DeferredGraph(group, bag) for group in self._groups()]
-        return graphs._Captured(graphs=groups, bag=bag, per_stage=self.per_stage)
+            state.stamps = torch.zeros(len(self.stages) + 1, dtype=torch.int64)  # [stages + 1]
+        groups = [_DeferredGraph(group, state) for group in self._groups()]
+        return graphs._Captured(graphs=groups, state=state, per_stage=self.per_stage)
 
     monkeypatch.setattr(StepRunner, "_capture", capture)
 
     def decode(observer: Any) -> list[list[int]]:
         target, drafter = tiny_pair(3, vocab=16, block_size=4)
-        session = DecodeSession(target, drafter, "ddtree", 8, None, 2, 128, observer=observer, pipeline_depth=2)
+        session = DecodeSession(
+            target, drafter, shape_of("ddtree", 8, None, drafter), 2, 128, observer=observer, pipeline_depth=2
+        )
         runner, run = session.runner, session.runner.run
         runner.cuda_graphs, runner.stamped, runner.per_stage = True, observer is not NOOP, False
         if observer is not NOOP:
             observer.on_session(True)  # what a CUDA session with triton says
-        runner.run = lambda key, bag: run((key[0], key[2]), {**bag, "span": session.capacity})  # type: ignore[method-assign]
+
+        def at_capacity(make: Any) -> Any:
+            state = make()
+            state.span = session.capacity
+            return state
+
+        runner.run = lambda key, make: run((key[0], key[2]), lambda: at_capacity(make))  # type: ignore[method-assign]
         slots = session.join([Request([1, 2, 3], 30), Request([4], 25, 0.8, seed=2)])
         while session.has_active():
             session.step()
@@ -192,7 +209,7 @@ def test_no_garbage_is_collected_while_a_graph_captures(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: Graph())
 
-    def stage(bag: Bag) -> None:
+    def stage(state: Any) -> None:
         if gc.isenabled():
             gc.collect()
         log.append("stage")
@@ -200,7 +217,7 @@ def test_no_garbage_is_collected_while_a_graph_captures(monkeypatch: pytest.Monk
 
     runner = StepRunner([("draft", stage)], NOOP, cuda_graphs=True, finish=stage, stamped=False)
     cache = graphs.GraphCache(cuda_graphs=True)
-    for capture in (lambda: runner._capture({}), lambda: cache.run(("k",), stage, {})):
+    for capture in (lambda: runner._capture(_State()), lambda: cache.run(("k",), stage, {})):
         gc.collect()
         log.clear()
         _Dropped(log)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree.accept import AcceptResult
 from ddtree.engine.probe import ProbeLayout, readout, split_rows
 from ddtree.tree import build_tree
-from ddtree.verify import AcceptResult
 
 
 def _result(rows: int, path: int) -> AcceptResult:

@@ -10,7 +10,7 @@ import torch
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.tree import DraftTree, build_tree
-from tests.helpers import random_prompts, tiny_pair
+from tests.helpers import random_prompts, shape_of, tiny_pair
 
 
 @pytest.mark.parametrize(("budget", "depth"), [(2, 2), (4, 4), (9, 5)])
@@ -18,7 +18,7 @@ def test_the_tree_is_the_one_every_drafted_depth_would_give(budget: int, depth: 
     """Block size 6 drafts 5 depths; budget 2 reaches 2 of them and budget 9 all 5. Each step's tree must equal
     the tree built from the head's logits at every depth."""
     target, drafter = tiny_pair(11, vocab=12, block_size=6)
-    session = DecodeSession(target, drafter, "ddtree", budget, None, slots=3, capacity=96)
+    session = DecodeSession(target, drafter, shape_of("ddtree", budget, None, drafter), slots=3, capacity=96)
     hidden_seen: list[torch.Tensor] = []
     built: list[tuple[torch.Tensor, DraftTree]] = []
     forward, build = drafter.forward, session.proposer.build

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
-from telemetry.hooks import NoopObserver
-from tests.helpers import random_prompts, tiny_pair
+from ddtree.observer import NoopObserver
+from tests.helpers import random_prompts, shape_of, tiny_pair
 
 
 class Rows(NoopObserver):
@@ -39,7 +39,9 @@ def test_requests_joining_between_steps_get_the_tokens_they_get_alone(
     engine = Engine(target, drafter)
     prompts = random_prompts(8, 5, vocab=20)
     news = [12, 25, 7, 18, 30]
-    session = DecodeSession(target, drafter, method, 8, None, slots=3, capacity=160, pipeline_depth=depth)
+    session = DecodeSession(
+        target, drafter, shape_of(method, 8, None, drafter), slots=3, capacity=160, pipeline_depth=depth
+    )
     waiting = [Request(p, n, temperature, seed=40 + i) for i, (p, n) in enumerate(zip(prompts, news, strict=True))]
     slot_of: dict[int, int] = {}
     done: dict[int, list[int]] = {}
@@ -62,7 +64,7 @@ def test_requests_joining_between_steps_get_the_tokens_they_get_alone(
 
 def test_a_reused_slot_forgets_its_last_request() -> None:
     target, drafter = tiny_pair(6, vocab=16, block_size=4)
-    session = DecodeSession(target, drafter, "ddtree", 16, None, slots=1, capacity=96)
+    session = DecodeSession(target, drafter, shape_of("ddtree", 16, None, drafter), slots=1, capacity=96)
     first = session.join([Request([1, 2, 3, 4, 5, 6, 7, 8], 20)])[0]
     while session.has_active():
         session.step()
@@ -77,7 +79,7 @@ def test_a_reused_slot_forgets_its_last_request() -> None:
 
 def test_finished_slots_stay_masked_while_others_decode() -> None:
     target, drafter = tiny_pair(7, vocab=16, block_size=4)
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=2, capacity=96)
+    session = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=2, capacity=96)
     short, long = session.join([Request([1, 2], 2), Request([3, 4], 30)])
     emitted_after_finish = []
     while session.has_active():
@@ -91,7 +93,7 @@ def test_finished_slots_stay_masked_while_others_decode() -> None:
 
 def test_session_errors_speak_of_values() -> None:
     target, drafter = tiny_pair(8, vocab=16, block_size=4)
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=64)
+    session = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=1, capacity=64)
     with pytest.raises(ValueError, match="cache slots"):
         session.join([Request([1] * 40, 30)])
     with pytest.raises(ValueError, match="free slots"):
@@ -99,15 +101,15 @@ def test_session_errors_speak_of_values() -> None:
     with pytest.raises(ValueError, match="temperature"):
         session.join([Request([1], 4, temperature=-1.0)])
     with pytest.raises(ValueError, match="CUDA graphs"):
-        DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=64, cuda_graphs=True)
+        DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=1, capacity=64, cuda_graphs=True)
     with pytest.raises(ValueError, match="unknown method"):
-        DecodeSession(target, drafter, "beam", 8, None, slots=1, capacity=64)
+        DecodeSession(target, drafter, shape_of("beam", 8, None, drafter), slots=1, capacity=64)
 
 
 def test_steps_run_only_the_slots_up_to_the_last_one_decoding() -> None:
     target, drafter = tiny_pair(9, vocab=16, block_size=4)
     rows = Rows()
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=rows)
+    session = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=3, capacity=96, observer=rows)
     long, short = session.join([Request([1, 2], 24), Request([3], 3)])
     while session.has_active():
         session.step()
@@ -127,7 +129,7 @@ def test_warm_up_leaves_an_empty_session_whose_requests_are_their_own() -> None:
     requests that follow get the tokens they would get from a fresh session (at T=0 and seeded T>0)."""
     target, drafter = tiny_pair(10, vocab=16, block_size=4)
     calls = Rows()
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=96, observer=calls)
+    session = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=3, capacity=96, observer=calls)
     seen: list[int] = []
     original = session._rows
 
@@ -141,7 +143,7 @@ def test_warm_up_leaves_an_empty_session_whose_requests_are_their_own() -> None:
     assert sorted(set(seen)) == [1, 2, 3], "every row count a step of 3 slots can have"
     assert session.free_slots() == [0, 1, 2] and session.runner.observer is calls
     with pytest.raises(ValueError, match="empty session"):
-        busy = DecodeSession(target, drafter, "ddtree", 8, None, slots=1, capacity=96)
+        busy = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), slots=1, capacity=96)
         busy.join([Request([1], 4)])
         busy.warm_up()
     engine = Engine(target, drafter)
@@ -192,9 +194,13 @@ def test_an_observed_session_reads_the_tree_back_with_the_same_tokens(method: st
 
     target, drafter = tiny_pair(11, vocab=16, block_size=4)
     requests = [Request([1, 2, 3], 14, 0.0), Request([4, 5], 9, 0.9, seed=5)]
-    plain = DecodeSession(target, drafter, method, 8, None, slots=2, capacity=96, pipeline_depth=depth)
+    plain = DecodeSession(
+        target, drafter, shape_of(method, 8, None, drafter), slots=2, capacity=96, pipeline_depth=depth
+    )
     probes = Probes()
-    observed = DecodeSession(target, drafter, method, 8, None, 2, 96, observer=probes, pipeline_depth=depth)
+    observed = DecodeSession(
+        target, drafter, shape_of(method, 8, None, drafter), 2, 96, observer=probes, pipeline_depth=depth
+    )
     assert _decode(observed, requests) == _decode(plain, requests)
     assert probes.sessions == [False], "told once, and not stamped on CPU"
     assert sorted(probes.probes) == sorted(probes.trees) == list(range(observed.steps))
@@ -210,14 +216,16 @@ def test_an_unobserved_session_reads_back_the_tokens_alone() -> None:
     target, drafter = tiny_pair(12, vocab=16, block_size=4)
     for observer, probed in ((NoopObserver(), True), (None, False)):  # any observer but NOOP itself reads a probe
         kwargs = {} if observer is None else {"observer": observer}
-        session = DecodeSession(target, drafter, "ddtree", 8, None, 1, 96, pipeline_depth=2, **kwargs)
+        session = DecodeSession(
+            target, drafter, shape_of("ddtree", 8, None, drafter), 1, 96, pipeline_depth=2, **kwargs
+        )
         session.join([Request([1, 2], 8)])
         session.step()  # two steps launched, one read
         launch = session._inflight[0]
-        path = launch.bag["result"].path_tokens.shape[1]
-        assert (launch.layout is not None) is probed
-        width = launch.bag["out"].shape[1]
-        assert width == (launch.layout.width if launch.layout is not None else 2 + path)
+        path = launch.state.result.path_tokens.shape[1]
+        assert (launch.state.layout is not None) is probed
+        width = launch.state.out.shape[1]
+        assert width == (launch.state.layout.width if launch.state.layout is not None else 2 + path)
 
 
 @pytest.mark.parametrize(("method", "temperature", "depth"), [("ar", 0.0, 1), ("dflash", 0.7, 2), ("ddtree", 0.0, 2)])
@@ -253,7 +261,9 @@ def test_a_join_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
 
     target, drafter = tiny_pair(13, vocab=24, block_size=4)
     engine = Engine(target, drafter)
-    session = DecodeSession(target, drafter, "ddtree", 8, None, slots=2, capacity=96, pipeline_depth=2)
+    session = DecodeSession(
+        target, drafter, shape_of("ddtree", 8, None, drafter), slots=2, capacity=96, pipeline_depth=2
+    )
     reads: list[str] = []
     for name in ("wait", "wait_array"):
         original = getattr(Readback, name)
@@ -282,7 +292,7 @@ def test_a_request_that_its_prefill_token_ends_keeps_that_token_alone(depth: int
     prompt, other = [2, 7, 1], [5, 5, 9, 3]
     first = _alone(engine, prompt, "ddtree", 1, 0.0, 0)[0]
     for request in (Request(prompt, 1), Request(prompt, 12, eos_token_ids=(first,))):
-        session = DecodeSession(target, drafter, "ddtree", 8, None, 2, 96, pipeline_depth=depth)
+        session = DecodeSession(target, drafter, shape_of("ddtree", 8, None, drafter), 2, 96, pipeline_depth=depth)
         short, long = session.join([request, Request(other, 12)])
         while session.has_active():
             session.step()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.graphs import StepRunner
 from ddtree.engine.session import DecodeSession
-from telemetry.hooks import NoopObserver
+from ddtree.observer import NoopObserver
 from tests.helpers import random_prompts, tiny_pair
 
 

@@ -1,4 +1,4 @@
-"""The ancestor matrix of one Triton kernel against `ddtree.verify.ancestor_mask`.
+"""The ancestor matrix of one Triton kernel against `ddtree.tree.ancestor_mask`.
 
 On CPU the kernel runs in Triton's interpreter; with DDTREE_TEST_DEVICE=cuda the same tests run on the GPU.
 """
@@ -13,8 +13,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (it is in the dev extra)")
 
 from ddtree.kernels.ancestors import ancestor_mask_fused
-from ddtree.tree import DraftTree, build_tree
-from ddtree.verify import ancestor_mask
+from ddtree.tree import DraftTree, ancestor_mask, build_tree
 
 DEVICE = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
 

@@ -16,8 +16,8 @@ pytest.importorskip("triton", reason="triton is not installed (it is in the dev 
 import triton
 import triton.language as tl
 
+from ddtree.bench.tree_build import time_tree_build
 from ddtree.kernels import tree_build
-from ddtree.kernels.bench import time_tree_build
 from ddtree.kernels.tree_build import beam_tree, build_tree_fused, fused_supported, triton_available, vocab_topk
 from ddtree.tree import DraftTree, build_tree
 
@@ -277,7 +277,7 @@ def test_bitonic_selection_matches_too(
 @pytest.mark.parametrize("budget", [3, 16])
 def test_engine_with_the_fused_tree_kernel_equals_ar(budget: int) -> None:
     """The decode loop with the fused kernels (interpreted here) stays lossless and builds the torch path's trees."""
-    from ddtree.engine.decode import Engine, GenerationConfig
+    from ddtree.engine.engine import Engine, GenerationConfig
     from tests.helpers import random_prompts, tiny_pair
 
     target, drafter = tiny_pair(21, vocab=24, block_size=5, dtype=torch.float32)

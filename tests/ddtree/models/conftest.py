@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from ddtree.models.default import default_drafter
+from ddtree.models.pair import load_models
 from ddtree.models.pull import pull
-from ddtree.runtime import load_pair
 
 
 @pytest.fixture(scope="session")
@@ -19,4 +19,4 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def pair(smollm2: Path) -> tuple[object, object, object]:
     """Target, drafter and tokenizer on CPU in float32."""
-    return load_pair(str(smollm2), str(default_drafter()), "cpu", "float32")
+    return load_models(str(smollm2), str(default_drafter()), "cpu", "float32")

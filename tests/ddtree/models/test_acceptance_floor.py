@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from ddtree.bench import heldout_prompts
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.data import heldout_prompts
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.methods import mean_acceptance_length
-from ddtree.runtime import eos_ids
-from ddtree.train.data import chat_ids
+from ddtree.models.chat import chat_ids, eos_ids
 
 PROMPTS = slice(3, None, 8)  # 8 of the 64 held-out prompts
 NEW_TOKENS = 32

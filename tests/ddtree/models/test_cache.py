@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.models import pull as pull_module
 from ddtree.models.pull import MANIFEST, is_complete, model_dir, pull, sha256_file
 from tests.ddtree.models import fake_source

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.bench import heldout_prompts
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.data import heldout_prompts
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.models import pull as pull_module
+from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.pull import MANIFEST, is_complete, model_dir, pull
-from ddtree.runtime import eos_ids
-from ddtree.train.data import chat_ids
 
 
 def test_pull_is_complete_and_idempotent(smollm2: Path) -> None:
@@ -78,7 +77,7 @@ def test_the_real_pair_writes_real_text(pair: tuple[object, object, object]) -> 
 
 
 def test_generate_with_no_model_uses_the_default_pair(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ddtree.cli import main
+    from ddtree.cli.main import main
 
     assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)

@@ -3,12 +3,12 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
-from ddtree.engine.decode import Engine, GenerationConfig
+from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
-from tests.helpers import random_prompts, tiny_pair
+from tests.helpers import random_prompts, shape_of, tiny_pair
 
 
 def test_our_ar_equals_hf_generate() -> None:
@@ -40,7 +40,9 @@ def test_compiled_layers_decode_the_same_tokens() -> None:
     outputs = {}
     graphs_before = counters["stats"]["unique_graphs"]
     for fused in (False, True):
-        session = DecodeSession(target, drafter, "ddtree", 8, None, slots=3, capacity=128, fused=fused)
+        session = DecodeSession(
+            target, drafter, shape_of("ddtree", 8, None, drafter), slots=3, capacity=128, fused=fused
+        )
         slots = session.join([Request(p, 20) for p in prompts])
         while session.has_active():
             session.step()

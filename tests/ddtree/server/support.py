@@ -13,7 +13,7 @@ from typing import Any, cast
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from ddtree.engine.decode import Engine
+from ddtree.engine.engine import Engine
 from ddtree.server.app import ServerState
 from ddtree.server.model import ServedModel
 from ddtree.server.run import GracefulServer, make_server

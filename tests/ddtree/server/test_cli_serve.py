@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.train.bundle import copy_part, gather, load_bundle, plan_parts, read_manifest, save_bundle, split_tensors
 
 SAFE = re.compile(r"[A-Za-z0-9._-]+")

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.errors import UserError
+from ddtree.models.chat import eos_ids
+from ddtree.models.pair import load_models
 from ddtree.models.target import Target
-from ddtree.runtime import eos_ids, load_pair
 from ddtree.train.bundle import read_manifest
 from ddtree.train.data import (
     TrainingSequence,
@@ -97,7 +98,7 @@ def test_a_sequence_larger_than_a_shard_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_target(tiny_dirs: tuple[Path, Path]) -> tuple[Target, Any]:
     """The tiny target on disk and its byte tokenizer (no chat template), in float32 on the CPU."""
-    target, _, tokenizer = load_pair(str(tiny_dirs[0]), None, "cpu", "float32")
+    target, _, tokenizer = load_models(str(tiny_dirs[0]), None, "cpu", "float32")
     return target, tokenizer
 
 

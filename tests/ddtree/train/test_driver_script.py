@@ -1,4 +1,4 @@
-"""`examples/train_default_drafter.sh`'s multi-session verbs on the CLI's tiny pair: pack a trained drafter's
+"""`scripts/train_default_drafter.sh`'s multi-session verbs on the CLI's tiny pair: pack a trained drafter's
 state and data, unpack them elsewhere, resume there. Slower than the others (several processes, ~15 s)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.train.data import TrainingSequence, pack_sequences
 
 SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "train_default_drafter.sh"

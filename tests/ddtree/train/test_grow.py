@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.models.dflash import WEIGHTS_NAME, DFlashDrafter, load_drafter, save_drafter
 from ddtree.train.grow import grow_drafter
 from tests.helpers import tiny_pair

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench import heldout_prompts
-from ddtree.cli import main
+from ddtree.cli.main import main
+from ddtree.data import heldout_prompts
 from ddtree.errors import UserError
 from ddtree.train import prompts
 from ddtree.train.prompts import (

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddtree.cli import main
+from ddtree.cli.main import main
 from ddtree.train.data import TrainingSequence, pack_sequences
 from ddtree.train.runs import EVAL_LABELS, describe_data, loss_curve, tau_points
 from ddtree.train.trainer import TrainConfig, train

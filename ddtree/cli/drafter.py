@@ -1,0 +1,350 @@
+"""`ddtree drafter ...`: make, train and move DFlash drafters (argument glue over `ddtree.train`).
+
+- init, data, train: a random drafter, training data (the target's responses), training.
+- pack-data: JSONL data files or packed directories -> one packed data directory (about a third of the size of
+  the JSONL), their sequences in the order given.
+- state export / import: a drafter directory's trainer state <-> a compact bundle (`ddtree.train.state`).
+- part / gather: bundles -> parts within file-count and size limits, and back (`ddtree.train.bundle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import UserError
+
+MIB = 2**20
+SEED_MAX = 2**32 - 1
+
+
+def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type=`: an integer in low..high (no upper bound without `high`), or an error that names
+    the range and the value (argparse adds the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high)}, got {value}")
+        return value
+
+    return parse
+
+
+def float_flag(low: float, high: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """An argparse `type=`: a finite number >= low (> low with `above`) and <= high."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+        if (value <= low if above else value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high, above)}, got {value}")
+        return value
+
+    return parse
+
+
+def _bounds(low: float, high: float | None, above: bool = False) -> str:
+    if high is None:
+        return f"{'>' if above else '>='} {low}"
+    return f"in ({low}, {high}]" if above else f"in {low}..{high}"
+
+
+SEED = int_flag(0, SEED_MAX)
+POSITIVE = int_flag(1)
+SHARD_MIB = float_flag(0, 1024, above=True)
+
+
+def add_parsers(sub: Any) -> None:
+    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
+        dest="drafter_command", required=True
+    )
+    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
+    init.add_argument("--target", required=True, help="target model directory")
+    init.add_argument("--out", required=True, help="output directory")
+    _shape_args(init, layers=1)
+    init.set_defaults(func=_init)
+
+    data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
+    data.add_argument("--target", help="target directory; default: the default target")
+    data.add_argument("--out", required=True, help="output JSONL file")
+    data.add_argument("--num-prompts", type=POSITIVE, default=2000)
+    data.add_argument(
+        "--prompts",
+        help="JSONL file of {'prompt': TEXT} or {'messages': [TEXT, ...]} (user turns) instead of the built-in prompts",
+    )
+    data.add_argument(
+        "--multi-turn",
+        type=float_flag(0, 1),
+        default=0.0,
+        metavar="FRACTION",
+        help="give about this fraction of the one-turn prompts a second user turn, asked after the target's reply",
+    )
+    data.add_argument(
+        "--write-prompts", action="store_true", help="write the prompts to --out (as --prompts reads them) and stop"
+    )
+    data.add_argument(
+        "--exclude-prompts",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="prompt files (as --prompts reads them) whose first turns the built-in prompts must not repeat",
+    )
+    data.add_argument("--max-new-tokens", type=POSITIVE, default=256, help="per reply")
+    data.add_argument("--batch-size", type=POSITIVE, default=64)
+    data.add_argument("--seed", type=SEED, default=0)
+    data.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    data.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
+    data.set_defaults(func=_data)
+
+    grow = drafter.add_parser("grow", help="a deeper drafter whose new layers add nothing yet (same drafts)")
+    grow.add_argument("drafter", help="drafter directory to grow from")
+    grow.add_argument("--num-layers", type=POSITIVE, required=True, help="layers of the grown drafter")
+    grow.add_argument("--out", required=True, help="output directory")
+    grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
+    grow.set_defaults(func=_grow)
+
+    _train_parser(drafter)
+    _travel_parsers(drafter)
+
+
+def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
+    parser.add_argument("--num-layers", type=POSITIVE, default=layers)
+    parser.add_argument("--num-features", type=POSITIVE, default=None, help="target layers read (default: num-layers)")
+    parser.add_argument("--block-size", type=int_flag(2), default=16)
+    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument(
+        "--mask-token-id", type=int_flag(0), default=None, help="default: the tokenizer's mask/unk/pad token"
+    )
+
+
+def _train_parser(drafter: Any) -> None:
+    train = drafter.add_parser("train", help="train a DFlash drafter on the target's own responses")
+    train.add_argument("--target", help="target directory; default: the default target")
+    train.add_argument("--data", required=True, help="JSONL file of `drafter data`, or a directory of `pack-data`")
+    train.add_argument("--out", required=True, help="drafter directory (checkpoints and runs.json land here too)")
+    _shape_args(train, layers=2)
+    train.add_argument("--steps", type=POSITIVE, default=1000)
+    train.add_argument("--batch-size", type=POSITIVE, default=16)
+    train.add_argument("--anchors", type=POSITIVE, default=32, help="blocks per sequence")
+    train.add_argument("--lr", type=float_flag(0, above=True), default=6e-4)
+    train.add_argument(
+        "--gamma", type=float_flag(0, above=True), default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k"
+    )
+    train.add_argument(
+        "--distill", choices=("ce", "kl"), default="ce", help="ce: the data's tokens; kl: the target's distributions"
+    )
+    train.add_argument("--max-len", type=int_flag(2), default=512)
+    train.add_argument("--checkpoint-every", type=POSITIVE, default=200)
+    train.add_argument(
+        "--max-minutes", type=float_flag(0, above=True), default=None, help="this run's wall-clock limit"
+    )
+    train.add_argument(
+        "--total-minutes",
+        type=float_flag(0, above=True),
+        default=None,
+        help="training time over all runs that the LR schedule spans (default: --max-minutes); give it every run",
+    )
+    train.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
+    train.add_argument("--init", help="start from this drafter's weights (its shape wins over the shape options)")
+    train.add_argument(
+        "--eval-heldout",
+        action="store_true",
+        help="after the run: tau of dflash and ddtree B=32 on 16 held-out prompts, stored in runs.json",
+    )
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.set_defaults(func=_train)
+
+
+def _travel_parsers(drafter: Any) -> None:
+    pack = drafter.add_parser(
+        "pack-data", help="JSONL data files or packed directories -> one packed data directory (safetensors shards)"
+    )
+    pack.add_argument("data", nargs="+", help="JSONL files of `drafter data` or directories of `pack-data`, merged")
+    pack.add_argument("out", help="output directory (data.json and data-*.safetensors)")
+    pack.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
+    pack.set_defaults(func=_pack_data)
+
+    state = drafter.add_parser("state", help="the trainer state as a compact bundle, and back").add_subparsers(
+        dest="state_command", required=True
+    )
+    export = state.add_parser("export", help="a drafter directory's trainer state -> state.json + shards")
+    export.add_argument("drafter", help="drafter directory with trainer_state.pt")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
+    export.set_defaults(func=_state_export)
+    imp = state.add_parser("import", help="a complete state bundle -> a drafter directory that training resumes")
+    imp.add_argument("bundle", help="directory with state.json and all its shards")
+    imp.add_argument("drafter", help="drafter directory to write")
+    imp.set_defaults(func=_state_import)
+
+    part = drafter.add_parser("part", help="copy one part of the files of bundles, within file and size limits")
+    part.add_argument("bundles", nargs="+", help="bundle directories (a state, packed data)")
+    part.add_argument("--dest", required=True, help="directory to copy the part's files into")
+    part.add_argument("--part", type=POSITIVE, default=1, help="which part, from 1 (the output names their number)")
+    part.add_argument("--max-files", type=int_flag(2), default=7, help="files per part, manifests included")
+    part.add_argument("--max-mib", type=float_flag(0, above=True), default=44.0, help="bytes per part, in MiB")
+    part.set_defaults(func=_part)
+
+    gather = drafter.add_parser("gather", help="collect the bundle files of one part into ROOT/<bundle name>/")
+    gather.add_argument("source", help="a directory holding a part's files")
+    gather.add_argument("root", help="where the bundles are put together (ROOT/state, ROOT/data)")
+    gather.set_defaults(func=_gather)
+
+
+@contextlib.contextmanager
+def _as_user_errors() -> Iterator[None]:
+    """Library errors (bad values, unreadable files) reach the user as one line."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _shard_bytes(mib: float) -> int:
+    return int(mib * MIB)  # SHARD_MIB checked the range
+
+
+def _init(args: argparse.Namespace) -> int:
+    from ddtree.models.dflash import save_drafter
+    from ddtree.train.setup import new_drafter
+
+    drafter = new_drafter(
+        args.target, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+    )
+    save_drafter(drafter, args.out)
+    print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
+    return 0
+
+
+def _grow(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors import safe_open
+
+    from ddtree.models.dflash import WEIGHTS_NAME, load_drafter, save_drafter
+    from ddtree.train.grow import grow_drafter
+
+    source = load_drafter(args.drafter, torch.device("cpu"), torch.float32)
+    with safe_open(str(Path(args.drafter) / WEIGHTS_NAME), "pt") as f:
+        dtype = f.get_tensor(next(iter(f.keys()))).dtype  # the grown drafter is saved as its source was
+    try:
+        grown = grow_drafter(source, args.num_layers, args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    save_drafter(grown, args.out, dtype)
+    print(f"wrote a {args.num_layers}-layer drafter grown from {len(source.layers)} layers to {args.out}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from ddtree.data import heldout_prompts
+    from ddtree.train.data import write_training_data
+    from ddtree.train.prompts import add_follow_ups, read_prompt_file, training_prompts, write_prompt_file
+
+    if args.prompts:
+        conversations = read_prompt_file(args.prompts)[: args.num_prompts]
+        if not conversations:
+            raise UserError(f"no prompts in {args.prompts!r}")
+    else:
+        used = {conversation[0] for path in args.exclude_prompts for conversation in read_prompt_file(path)}
+        texts = training_prompts(args.num_prompts, seed=args.seed, exclude=used | set(heldout_prompts()))
+        conversations = [[text] for text in texts]
+    conversations = add_follow_ups(conversations, args.multi_turn, seed=args.seed)
+    if args.write_prompts:
+        write_prompt_file(args.out, conversations)
+        print(f"wrote {len(conversations)} prompts to {args.out}")
+        return 0
+    count = write_training_data(
+        args.target, args.out, conversations, args.max_new_tokens, args.batch_size, args.device, args.dtype
+    )
+    print(f"wrote {count} sequences to {args.out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ddtree.train.setup import run_training
+    from ddtree.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        lr=args.lr,
+        gamma=args.gamma,
+        max_len=args.max_len,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+        total_seconds=args.total_minutes * 60 if args.total_minutes else None,
+        distill=args.distill,
+    )
+    report = run_training(args, config)
+    print(json.dumps(report))
+    return 0
+
+
+def _pack_data(args: argparse.Namespace) -> int:
+    from ddtree.train.data import pack_sequences, read_sequences
+
+    shard_bytes = _shard_bytes(args.shard_mib)
+    with _as_user_errors():
+        sequences = [seq for path in args.data for seq in read_sequences(path, min_response=0)]
+        meta = pack_sequences(sequences, Path(args.out), shard_bytes)
+    print(f"packed {meta['sequences']} sequences ({meta['tokens']} tokens, {meta['ids_dtype']}) into {args.out}")
+    return 0
+
+
+def _state_export(args: argparse.Namespace) -> int:
+    from ddtree.train.state import export_state
+
+    shard_bytes = _shard_bytes(args.shard_mib)
+    with _as_user_errors():
+        manifest = export_state(Path(args.drafter), Path(args.out), shard_bytes)
+    size = sum(f.bytes for f in manifest.files) / MIB
+    step, shards = manifest.meta["step"], len(manifest.files)
+    print(f"wrote the trainer state at step {step} to {args.out}: {shards} shards, {size:.1f} MiB")
+    return 0
+
+
+def _state_import(args: argparse.Namespace) -> int:
+    from ddtree.train.state import import_state
+
+    with _as_user_errors():
+        done = import_state(Path(args.bundle), Path(args.drafter))
+    minutes = done["elapsed"] / 60
+    print(f"imported the trainer state at step {done['step']} ({minutes:.1f} min of training) into {args.drafter}")
+    return 0
+
+
+def _part(args: argparse.Namespace) -> int:
+    from ddtree.train.bundle import copy_part
+
+    with _as_user_errors():
+        names, count = copy_part(
+            [Path(b) for b in args.bundles], Path(args.dest), args.part, args.max_files, int(args.max_mib * MIB)
+        )
+    print(f"part {args.part} of {count}: {' '.join(names)}")
+    return 0
+
+
+def _gather(args: argparse.Namespace) -> int:
+    from ddtree.train.bundle import gather
+
+    with _as_user_errors():
+        missing = gather(Path(args.source), Path(args.root))
+    for name, absent in missing.items():
+        where = Path(args.root) / name
+        print(f"{name}: complete in {where}" if not absent else f"{name}: still missing {' '.join(absent)}")
+    return 0

@@ -1,0 +1,111 @@
+"""One decode step, top to bottom: draft -> tree_build -> verify -> accept, then the readout.
+
+Each stage is a plain function of the session's models (`StepModels`) and the step's state (`StepState`):
+it reads what the stages before it wrote and writes its own fields. The state's tensors are the step's static
+buffers: a CUDA graph captured on one state replays on it, and everything that lives across steps sits in the
+session's per-slot tensors (`Rows` views them), which the stages update in place.
+
+    draft       rows.root, rows.context, rows.draft_cache -> logits [n, depth, vocab] (None for ar)
+    tree_build  logits -> tree (DraftTree), ancestors [n, nodes, nodes]
+    verify      tree, ancestors, rows.cache -> choice [n, nodes] (the target's token at each node), features
+    accept      tree, ancestors, choice -> result (AcceptResult); commits the accepted path to the caches
+    readout     result (and the tree, stamps when observed) -> out [n, columns], the one host readback
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.accept import AcceptResult, accept
+from ddtree.engine.probe import ProbeLayout, readout
+from ddtree.engine.proposers import Proposer
+from ddtree.kv_cache import KVCache
+from ddtree.models.target import Target
+from ddtree.sampling import choose_tokens
+from ddtree.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Views of the first `n` slots of every per-slot tensor: a step runs only these rows."""
+
+    n: int
+    root: torch.Tensor  # [n] the next tree's root token
+    context: torch.Tensor | None  # [n, width, features] target features of the last accepted path
+    counts: torch.Tensor  # [n] real rows of `context`
+    active: torch.Tensor  # [n] still decoding
+    temperature: torch.Tensor  # [n]
+    seed: torch.Tensor  # [n]
+    draw: torch.Tensor  # [n] sampling draws so far
+    cache: KVCache
+    draft_cache: KVCache | None
+
+
+@dataclass(frozen=True)
+class StepModels:
+    """What every step of a session runs on: fixed for the session's life."""
+
+    target: Target
+    proposer: Proposer
+    fused: bool  # the models' compiled regions
+    attention: str  # sdpa or triton (resolved)
+    probed: bool  # the readout carries the probe (an observer is attached)
+
+
+@dataclass
+class StepState:
+    """A step's inputs (set when it is made) and what each stage writes (set by the stage, in order)."""
+
+    rows: Rows
+    span: int  # keys attended: the committed prefix plus what this step may write, bucketed on CUDA
+    sampled: bool  # some row samples (T > 0)
+    stamps: torch.Tensor | None = None  # [stages + 1] int64: the device clock, written by a stamped graph
+    logits: torch.Tensor | None = field(init=False)  # [n, depth, vocab] draft logits; None without a drafter
+    tree: DraftTree = field(init=False)
+    ancestors: torch.Tensor = field(init=False)  # [n, nodes, nodes] bool
+    choice: torch.Tensor = field(init=False)  # [n, nodes] the target's token at each node
+    features: torch.Tensor | None = field(init=False)  # [n, nodes, features] for the drafter's next context
+    result: AcceptResult = field(init=False)
+    out: torch.Tensor = field(init=False)  # [n, columns] int64, what the host reads back
+    layout: ProbeLayout | None = field(init=False)  # where the probe sits in `out`; None: no probe
+
+
+def draft(m: StepModels, s: StepState) -> None:
+    r = s.rows
+    s.logits = m.proposer.draft(r.root, r.context, r.counts, r.draft_cache, s.span, m.fused, m.attention)
+
+
+def build(m: StepModels, s: StepState) -> None:
+    s.tree = m.proposer.build(s.logits, s.rows.n)
+    s.ancestors = m.proposer.ancestors(s.tree)  # [n, nodes, nodes]
+
+
+def verify(m: StepModels, s: StepState) -> None:
+    tree, r = s.tree, s.rows
+    tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [n, nodes]
+    tokens[:, 0] = r.root
+    positions = r.cache.lengths[:, None] + tree.depths
+    verified = m.target.forward(tokens, positions, s.ancestors, r.cache, s.span, fused=m.fused, attention=m.attention)
+    s.choice = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, s.sampled)
+    s.features = verified.features
+
+
+def accept_step(m: StepModels, s: StepState) -> None:
+    r = s.rows
+    result = accept(s.tree, s.ancestors, s.choice, r.root)
+    counts = torch.where(r.active, result.accepted + 1, 0)  # [n] tokens each slot commits
+    r.cache.compact(result.path, counts)
+    if s.features is not None and r.context is not None:
+        index = result.path[:, :, None].expand(-1, -1, s.features.shape[-1])
+        r.context.copy_(s.features.gather(1, index))
+    r.counts.copy_(counts)
+    r.root.copy_(result.bonus)
+    r.draw.add_(1)
+    s.result = result
+
+
+def finish(m: StepModels, s: StepState) -> None:
+    """What the host reads back (after the last stage and its stamp): the tokens, and the probe if observed."""
+    s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps)

@@ -1,0 +1,93 @@
+"""Checks that need a CUDA GPU, in one run: greedy losslessness on the real pair (eager and graphed), seeded
+sampling graphed against eager, the decode loop with telemetry on under
+`torch.cuda.set_sync_debug_mode("error")`, and the telemetry overhead ratio.
+
+    python tests/gpu/checks.py TARGET_DIR [DRAFTER_DIR [DEVICE [CHECKS]]]
+
+DEVICE defaults to cuda; `cpu` runs the same steps (without the sync check) as a smoke test. CHECKS is a
+comma-separated subset of lossless,sync,overhead (default: all three).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ddtree.bench.rows import PairSpec, telemetry_overhead
+from ddtree.data import heldout_prompts
+from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.models.chat import chat_ids, eos_ids
+from ddtree.models.default import default_drafter
+from ddtree.models.pair import load_models
+from telemetry import start_telemetry
+from telemetry.config import TelemetryConfig
+
+TELEMETRY_ON = TelemetryConfig(
+    enabled=True,
+    otlp_endpoint="http://127.0.0.1:9",  # nobody listens: exports fail in the background, as with a dead collector
+    otlp_protocol="http/protobuf",
+    prometheus_port=0,
+    log_file="/dev/null",
+)
+
+
+def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = "lossless,sync,overhead") -> None:
+    count = 16 if device == "cuda" else 2
+    on_gpu = tuple(os.environ.get("GPU_CHECK_DTYPES", "float32,bfloat16").split(","))
+    dtypes = on_gpu if device == "cuda" else ("float32",)
+    for dtype in dtypes if "lossless" in checks else dtypes[-1:]:  # the last one serves the other checks
+        target, drafter, tokenizer = load_models(target_dir, drafter_dir, device, dtype)
+        prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
+        eos = eos_ids(tokenizer, target)
+        if "lossless" not in checks:
+            break
+        eager = Engine(target, drafter, cuda_graphs="off")
+        engine = Engine(target, drafter)  # CUDA graphs on a GPU, the Triton tree build and attention where they run
+        torch_tree = Engine(target, drafter, tree_kernel="torch")
+        sdpa = Engine(target, drafter, attention="sdpa")
+        ar_cfg = GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)
+        ar = eager.generate(prompts, ar_cfg).outputs
+        for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 8), ("ddtree", 32)):  # B=8 < depth 15
+            cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=64, eos_token_ids=eos)
+            runners = [("eager", eager), ("graphed", engine), ("graphed torch-tree", torch_tree)]
+            for name, runner in [*runners, ("graphed sdpa", sdpa)] if method != "ar" else [("graphed", engine)]:
+                out = runner.generate(prompts, cfg).outputs
+                same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
+                print(
+                    f"lossless {dtype} {name} {method} B={budget}: {same}/{len(prompts)} prompts identical to eager ar"
+                )
+        hot = GenerationConfig(
+            method="ddtree", budget=32, temperature=0.8, seed=5, max_new_tokens=64, eos_token_ids=eos
+        )
+        pairs = zip(eager.generate(prompts, hot).outputs, engine.generate(prompts, hot).outputs, strict=True)
+        same = sum(a.token_ids == b.token_ids for a, b in pairs)
+        print(f"sampled {dtype} ddtree B=32 T=0.8: graphed equals eager on {same}/{len(prompts)} prompts")
+
+    cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
+    if device == "cuda" and "sync" in checks:
+        telemetry = start_telemetry(TELEMETRY_ON, device_type="cuda")
+        engine = Engine(target, drafter, observer=telemetry.observer)
+        engine.generate(prompts[:4], cfg)  # warm-up
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.generate(prompts[:4], cfg)
+            print("sync debug mode 'error' with telemetry on: no implicit sync")
+        except RuntimeError as exc:
+            print(f"sync debug mode 'error' with telemetry on: FAILED: {exc}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            telemetry.shutdown()
+
+    for batch in (1, count) if "overhead" in checks else ():
+        pair = PairSpec(target_dir, drafter_dir, device, "bfloat16" if device == "cuda" else "float32")
+        off, on = telemetry_overhead(pair, prompts, cfg, batch, 4, TELEMETRY_ON)
+        print(
+            f"telemetry overhead, ddtree B=32, batch {batch}: "
+            f"off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "") or str(default_drafter()), *sys.argv[3:5])
