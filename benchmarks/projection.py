@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.kernels.tree_build import triton_available
+from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter, drafter_config
 from ddtree.models.target import Target
 
@@ -47,9 +48,8 @@ def random_pair(size: str, device: torch.device) -> tuple[Target, DFlashDrafter]
 
 def step_ms(target: Target, drafter: DFlashDrafter, method: str, budget: int, graphs: bool) -> float:
     kernel = "triton" if graphs and triton_available() else "torch"
-    session = DecodeSession(
-        target, drafter, method, budget, None, slots=1, capacity=1536, cuda_graphs=graphs, tree_kernel=kernel
-    )
+    shape = get_method(method).shape(budget, None, drafter.depth)
+    session = DecodeSession(target, drafter, shape, slots=1, capacity=1536, cuda_graphs=graphs, tree_kernel=kernel)
     session.join([Request(list(range(1, 129)), 700)])
     for _ in range(3):
         session.step()

@@ -1,14 +1,23 @@
 """DDTree speculative decoding: a lossless draft-tree engine, with baselines ar and dflash.
 
-The exports load on first use, so that torch-free modules (`ddtree.methods`) import without torch.
+    pair = ddtree.load_pair()  # the Python API (`ddtree.api`): load_pair, Pair, Completion
+    print(pair.generate("Write a haiku about trees.").text)
+
+The exports load on first use, so that `import ddtree` and torch-free modules (`ddtree.methods`) import
+without torch.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["AcceptResult", "DraftTree", "accept", "ancestor_mask", "build_tree"]
+if TYPE_CHECKING:  # the real types for type checkers; at run time `__getattr__` imports them on first use
+    from ddtree.accept import AcceptResult, accept
+    from ddtree.api import Completion, Pair, load_pair
+    from ddtree.tree import DraftTree, ancestor_mask, build_tree
+
+__all__ = ["AcceptResult", "Completion", "DraftTree", "Pair", "accept", "ancestor_mask", "build_tree", "load_pair"]
 __version__ = "0.1.0"
 
 _HOMES = {
@@ -17,6 +26,9 @@ _HOMES = {
     "ancestor_mask": "ddtree.tree",
     "DraftTree": "ddtree.tree",
     "build_tree": "ddtree.tree",
+    "Completion": "ddtree.api",
+    "Pair": "ddtree.api",
+    "load_pair": "ddtree.api",
 }
 
 

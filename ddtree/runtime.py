@@ -135,6 +135,23 @@ def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
     return encoded
 
 
+def start_pair_telemetry(target: Target, tokenizer: Any, model: str) -> Any:
+    """Telemetry from the environment for runs on `target` (`start_telemetry`: the no-op one, importing nothing,
+    with DDTREE_DEBUG_METRICS off). The caller shuts it down."""
+    return start_telemetry(
+        device_type=target.device.type,
+        model_name=str(getattr(target.config, "_name_or_path", "") or model),
+        detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
+    )
+
+
+def completion_text(tokenizer: Any, token_ids: list[int]) -> str:
+    """The text of generated ids, special tokens skipped; "" without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    return str(tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+
 def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     """Generate for every prompt of the request; yield one record per prompt."""
     check_request(request)
@@ -145,24 +162,15 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
     target, drafter, tokenizer = request.options.load_models(model, drafter_dir)
     prompts = encode_prompts(request, tokenizer)
     config = replace(request.generation, eos_token_ids=eos_ids(tokenizer, target))
-    telemetry = start_telemetry(
-        device_type=target.device.type,
-        model_name=str(getattr(target.config, "_name_or_path", "") or model),
-        detokenize=(lambda ids: str(tokenizer.decode(ids))) if tokenizer is not None else None,
-    )
+    telemetry = start_pair_telemetry(target, tokenizer, model)
     try:
         result = request.options.engine(target, drafter, telemetry.observer).generate(prompts, config)
     finally:
         telemetry.shutdown()
     for out in result.outputs:
-        text = (
-            tokenizer.decode(out.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            if tokenizer is not None
-            else ""
-        )
         yield {
             "token_ids": out.token_ids,
-            "text": text,
+            "text": completion_text(tokenizer, out.token_ids),
             "steps": len(out.acceptance_lengths),
             "acceptance_lengths": out.acceptance_lengths,
             "tokens_per_second": result.new_tokens / result.seconds if result.seconds > 0 else 0.0,

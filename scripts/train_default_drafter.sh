@@ -36,7 +36,7 @@ data_of() { if [ -f "$1/data/data.json" ]; then echo "$1/data"; else echo "$1/da
 train_drafter() {  # WORK MINUTES [--resume]
   local work=$1 minutes=$2
   shift 2
-  $DDTREE drafter train --target "$work/target" --data "$(data_of "$work")" --out "$work/drafter" \
+  $DDTREE drafter train --model "$work/target" --data "$(data_of "$work")" --out "$work/drafter" \
     --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size "${TRAIN_BATCH:-64}" \
     --anchors 32 --lr 6e-4 --max-minutes "$minutes" --checkpoint-every 500 ${INIT:+--init "$INIT"} \
     ${TOTAL_MINUTES:+--total-minutes "$TOTAL_MINUTES"} --distill "${DISTILL:-ce}" --gamma "${GAMMA:-7}" \
@@ -58,7 +58,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work
   prepare)
     gguf=$2 work=$3
     "$0" target "$gguf" "$work"
-    $DDTREE drafter data --target "$work/target" --out "$work/data.jsonl" \
+    $DDTREE drafter data --model "$work/target" --out "$work/data.jsonl" \
       --num-prompts "${NUM_PROMPTS:-32000}" ${PROMPTS:+--prompts "$PROMPTS"} \
       --max-new-tokens "${MAX_NEW_TOKENS:-160}" --batch-size "${DATA_BATCH:-2048}" --dtype bfloat16
     $DDTREE drafter pack-data "$work/data.jsonl" "$work/data"
@@ -88,7 +88,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work
         *) echo "PACK takes state and data, got $what" >&2; exit 2 ;;
       esac
     done
-    $DDTREE drafter part "${bundles[@]}" --dest "$out" --part "$part" \
+    $DDTREE drafter part "${bundles[@]}" --out "$out" --part "$part" \
       --max-files "${MAX_FILES:-7}" --max-mib "${MAX_MIB:-44}"
     ;;
   unpack)

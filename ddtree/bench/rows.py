@@ -45,13 +45,17 @@ class BenchRow:
 
     @property
     def label(self) -> str:
-        if self.method == HF_BASELINE:
-            return "hf generate"
-        return method_label(self.method, self.budget)
+        return row_label(self.method, self.budget)
+
+
+def row_label(method: str, budget: int | None) -> str:
+    """How the table names a row: `hf generate`, or the method's label (`ddtree B=32`)."""
+    return "hf generate" if method == HF_BASELINE else method_label(method, budget)
 
 
 Prompts = list[list[int]]
 BatchRun = tuple[list[tuple[int, ...]], int, float, list[int]]  # token rows, steps, seconds, acceptance lengths
+Progress = Callable[[int, int, str], None]  # after each batch run, warm-ups too: (runs done, runs in all, what ran)
 
 
 @dataclass(frozen=True)
@@ -100,20 +104,32 @@ def bench_schedule(batches: int, rows: int, rounds: int) -> list[tuple[int, int,
     ]
 
 
-def run_rows(runners: list[RowRunner], batches: list[Prompts], rounds: int, device: torch.device) -> list[BenchRow]:
+def run_rows(
+    runners: list[RowRunner],
+    batches: list[Prompts],
+    rounds: int,
+    device: torch.device,
+    progress: Progress | None = None,
+) -> list[BenchRow]:
     """Warm every row up, then run `bench_schedule`; a row's figures sum over all its batches and rounds.
 
     The warm-up keeps first-call costs out of the timings. On CUDA every row runs every batch once: graphs
     are captured and regions compiled per step shape (key span, batch), and every shape the timed runs meet
-    must exist. Elsewhere each row runs the first batch."""
+    must exist. Elsewhere each row runs the first batch. `progress` hears of every run as it ends (outside
+    the timings)."""
     if rounds < 1:
         raise UserError(f"rounds must be >= 1, got {rounds}")
-    for runner in runners:
-        for batch in batches if device.type == "cuda" else batches[:1]:
-            runner.warm(batch)
+    warm_ups = [(r, b) for r in runners for b in (batches if device.type == "cuda" else batches[:1])]
+    schedule = bench_schedule(len(batches), len(runners), rounds)
+    total = len(warm_ups) + len(schedule)
+    report = progress or (lambda done, total, label: None)
+    for done, (runner, batch) in enumerate(warm_ups, 1):
+        runner.warm(batch)
+        report(done, total, f"warm-up {row_label(runner.method, runner.budget)}")
     totals = [_Totals() for _ in runners]
-    for _, index, row in bench_schedule(len(batches), len(runners), rounds):
+    for done, (_, index, row) in enumerate(schedule, len(warm_ups) + 1):
         totals[row].add(index, runners[row].timed(batches[index]))
+        report(done, total, row_label(runners[row].method, runners[row].budget))
     return [t.row(r) for t, r in zip(totals, runners, strict=True)]
 
 
@@ -128,6 +144,7 @@ def run_bench(
     rounds: int = 1,
     baseline: bool = False,
     continuous: bool = False,
+    progress: Progress | None = None,
 ) -> list[BenchRow]:
     """One row per method (per budget for methods tuned by it), and HF generate's first with `baseline`, all
     on the same prompts and engine. The rows are interleaved per batch (`bench_schedule`), `rounds` times
@@ -136,14 +153,15 @@ def run_bench(
 
     `continuous`: our rows stream all the prompts through `batch_size` slots (`Engine.stream`, a request
     joining as soon as a slot frees, as in the server) instead of static batches, where every batch steps
-    until its slowest request ends; HF generate, which has no such mode, keeps static batches."""
+    until its slowest request ends; HF generate, which has no such mode, keeps static batches. `progress`:
+    as `run_rows` takes it."""
     runs = _runs(methods, budgets)
     runners = [engine_runner(engine, m, b, max_new_tokens, eos, batch_size if continuous else None) for m, b in runs]
     if baseline:  # warmed up last, so that HF compiles its forward after our graphs are captured
         runners.append(hf_runner(engine.target, max_new_tokens, eos, batch_size))
     size = len(encoded) if continuous else batch_size
     batches = [encoded[i : i + size] for i in range(0, len(encoded), size)]
-    rows = run_rows(runners, batches, rounds, engine.target.device)
+    rows = run_rows(runners, batches, rounds, engine.target.device, progress)
     return rows[-1:] + rows[:-1] if baseline else rows
 
 

@@ -10,24 +10,53 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ddtree.cli.common import add_command, deprecated
 from ddtree.errors import UserError
+
+# Names shared with the other subcommands: `--out` is where a command writes (here the report's directory),
+# `--json` prints JSON on stdout, and `--cost-curve FILE` is the file `ddtree bench --cost-curve` writes
+# (`--cost`, its old name here, is kept as an alias for a release).
+LOG_HELP = "a JSON log written with DDTREE_DEBUG_METRICS=1 (- : stdin)"
 
 
 def add_parsers(sub: Any) -> None:
-    analyze = sub.add_parser("analyze", help="step logs -> tables, summary.json, plots, report.html, trace events")
-    analyze.add_argument(
-        "log", nargs="?", default="-", help="a JSON log written with DDTREE_DEBUG_METRICS=1 (- : stdin)"
+    analyze = add_command(
+        sub,
+        "analyze",
+        "step logs -> tables, summary.json, plots, report.html, trace events",
+        (
+            "DDTREE_DEBUG_METRICS=1 DDTREE_LOG_FILE=run.jsonl OTEL_TRACES_EXPORTER=none \\",
+            "    OTEL_METRICS_EXPORTER=none ddtree generate --budget 64 --prompt 'Explain recursion.'",
+            "ddtree analyze run.jsonl --out report/ --trace-events trace.json",
+        ),
     )
-    analyze.add_argument("--out", help="write summary.json, PNG plots and report.html to this directory")
-    analyze.add_argument("--trace-events", help="write Chrome trace-event JSON (Perfetto, chrome://tracing) here")
+    analyze.add_argument("log", nargs="?", default="-", help=LOG_HELP)
+    analyze.add_argument("--out", metavar="DIR", help="write summary.json, PNG plots and report.html to this directory")
+    analyze.add_argument(
+        "--trace-events", metavar="FILE", help="write Chrome trace-event JSON (Perfetto, chrome://tracing) here"
+    )
     analyze.set_defaults(func=_analyze)
 
-    advise = sub.add_parser("advise", help="the budget and top-k with the best predicted tokens/s, from one logged run")
-    advise.add_argument(
-        "log", nargs="?", default="-", help="a JSON log written with DDTREE_DEBUG_METRICS=1 (- : stdin)"
+    advise = add_command(
+        sub,
+        "advise",
+        "the budget and top-k with the best predicted tokens/s, from one logged run",
+        (
+            "ddtree advise run.jsonl",
+            "ddtree bench --methods ddtree --budgets 1,4,16,64 --num-prompts 4 --cost-curve cost.json",
+            "ddtree advise run.jsonl --cost-curve cost.json --json",
+        ),
     )
-    advise.add_argument("--cost", help="a cost curve from `ddtree bench --cost-curve FILE` (default: the log's own)")
-    advise.add_argument("--json", action="store_true", help="print one JSON object")
+    advise.add_argument("log", nargs="?", default="-", help=LOG_HELP)
+    advise.add_argument(
+        "--cost-curve",
+        "--cost",
+        dest="cost",
+        metavar="FILE",
+        help="ms per step by budget, from `ddtree bench --cost-curve FILE` (default: the log's own)"
+        + deprecated("--cost"),
+    )
+    advise.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     advise.set_defaults(func=_advise)
 
 
@@ -105,9 +134,9 @@ def _advise(args: argparse.Namespace) -> int:
     try:
         cost = read_cost(Path(args.cost)) if args.cost else None
     except OSError as exc:
-        raise UserError(f"cannot read --cost {args.cost!r}: {exc.strerror}") from exc
+        raise UserError(f"cannot read --cost-curve {args.cost!r}: {exc.strerror}") from exc
     except ValueError as exc:
-        raise UserError(f"--cost: {exc}") from exc
+        raise UserError(f"--cost-curve: {exc}") from exc
     digest = _digest(args.log)
     try:
         result = advise(digest, cost)

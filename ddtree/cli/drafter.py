@@ -12,77 +12,88 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddtree.cli.common import POSITIVE, SEED, add_command, deprecated, device_args, float_flag, int_flag
 from ddtree.errors import UserError
 
 MIB = 2**20
-SEED_MAX = 2**32 - 1
-
-
-def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse `type=`: an integer in low..high (no upper bound without `high`), or an error that names
-    the range and the value (argparse adds the flag)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high)}, got {value}")
-        return value
-
-    return parse
-
-
-def float_flag(low: float, high: float | None = None, above: bool = False) -> Callable[[str], float]:
-    """An argparse `type=`: a finite number >= low (> low with `above`) and <= high."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
-        if (value <= low if above else value < low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_bounds(low, high, above)}, got {value}")
-        return value
-
-    return parse
-
-
-def _bounds(low: float, high: float | None, above: bool = False) -> str:
-    if high is None:
-        return f"{'>' if above else '>='} {low}"
-    return f"in ({low}, {high}]" if above else f"in {low}..{high}"
-
-
-SEED = int_flag(0, SEED_MAX)
-POSITIVE = int_flag(1)
 SHARD_MIB = float_flag(0, 1024, above=True)
+
+# Names shared with the other subcommands (old spellings kept as aliases for a release):
+# - `--model DIR` is the target, as in generate, bench and serve; `--target` is its old name (dest `target`).
+# - `--num-prompts N`, as `bench` has it; `--out PATH` is what a command writes, so `part --dest` is `--out`.
+# - `--device`, `--dtype`: the same choices and help as the engine's commands (`common.device_args`).
+# - `--max-len` (train) cuts training sequences: not `serve --max-model-len`, which bounds a request.
+TARGET_HELP = "target model directory (HF layout)"
+
+
+def _target_arg(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    default = "" if required else "; default: the default target"
+    parser.add_argument(
+        "--model",
+        "--target",
+        dest="target",
+        metavar="DIR",
+        required=required,
+        help=TARGET_HELP + default + deprecated("--target"),
+    )
 
 
 def add_parsers(sub: Any) -> None:
-    drafter = sub.add_parser("drafter", help="DFlash drafter tools").add_subparsers(
-        dest="drafter_command", required=True
+    examples = (
+        "ddtree drafter init --model TARGET --out DRAFTER",
+        "ddtree drafter train --model TARGET --data data.jsonl --out DRAFTER --steps 2000",
     )
-    init = drafter.add_parser("init", help="write a randomly initialised drafter for a target")
-    init.add_argument("--target", required=True, help="target model directory")
-    init.add_argument("--out", required=True, help="output directory")
+    group = add_command(sub, "drafter", "make, train and move DFlash drafters", examples)
+    drafter = group.add_subparsers(dest="drafter_command", required=True, title="commands", metavar="COMMAND")
+    init = add_command(
+        drafter,
+        "init",
+        "write a randomly initialised drafter for a target",
+        ("ddtree drafter init --model TARGET --out DRAFTER --num-layers 2 --block-size 8",),
+    )
+    _target_arg(init, required=True)
+    init.add_argument("--out", required=True, metavar="DIR", help="drafter directory to write")
     _shape_args(init, layers=1)
     init.set_defaults(func=_init)
+    _data_parser(drafter)
+    grow = add_command(
+        drafter,
+        "grow",
+        "a deeper drafter whose new layers add nothing yet (same drafts)",
+        ("ddtree drafter grow DRAFTER --num-layers 4 --out DRAFTER4",),
+    )
+    grow.add_argument("drafter", help="drafter directory to grow from")
+    grow.add_argument("--num-layers", type=POSITIVE, required=True, help="layers of the grown drafter")
+    grow.add_argument("--out", required=True, metavar="DIR", help="drafter directory to write")
+    grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
+    grow.set_defaults(func=_grow)
+    _train_parser(drafter)
+    _travel_parsers(drafter)
 
-    data = drafter.add_parser("data", help="write training data: the target's responses to training prompts")
-    data.add_argument("--target", help="target directory; default: the default target")
-    data.add_argument("--out", required=True, help="output JSONL file")
-    data.add_argument("--num-prompts", type=POSITIVE, default=2000)
+
+def _data_parser(drafter: Any) -> None:
+    examples = (
+        "ddtree drafter data --model TARGET --out data.jsonl --num-prompts 2000",
+        "ddtree drafter data --prompts prompts.jsonl --multi-turn 0.3 --out data.jsonl --batch-size 128",
+    )
+    summary = "write training data: the target's responses to training prompts"
+    data = add_command(drafter, "data", summary, examples)
+    _target_arg(data)
+    data.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
+    data.add_argument(
+        "--num-prompts",
+        type=POSITIVE,
+        default=2000,
+        metavar="N",
+        help="prompts: the first N of --prompts, or N built-in",
+    )
     data.add_argument(
         "--prompts",
+        metavar="FILE",
         help="JSONL file of {'prompt': TEXT} or {'messages': [TEXT, ...]} (user turns) instead of the built-in prompts",
     )
     data.add_argument(
@@ -102,52 +113,53 @@ def add_parsers(sub: Any) -> None:
         metavar="FILE",
         help="prompt files (as --prompts reads them) whose first turns the built-in prompts must not repeat",
     )
-    data.add_argument("--max-new-tokens", type=POSITIVE, default=256, help="per reply")
-    data.add_argument("--batch-size", type=POSITIVE, default=64)
-    data.add_argument("--seed", type=SEED, default=0)
-    data.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    data.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16", "float64"), default="auto")
+    data.add_argument("--max-new-tokens", type=POSITIVE, default=256, help="new tokens per reply, at most")
+    data.add_argument("--batch-size", type=POSITIVE, default=64, help="prompts answered together")
+    data.add_argument("--seed", type=SEED, default=0, help="picks and orders the prompts and follow-ups")
+    device_args(data)
     data.set_defaults(func=_data)
-
-    grow = drafter.add_parser("grow", help="a deeper drafter whose new layers add nothing yet (same drafts)")
-    grow.add_argument("drafter", help="drafter directory to grow from")
-    grow.add_argument("--num-layers", type=POSITIVE, required=True, help="layers of the grown drafter")
-    grow.add_argument("--out", required=True, help="output directory")
-    grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
-    grow.set_defaults(func=_grow)
-
-    _train_parser(drafter)
-    _travel_parsers(drafter)
 
 
 def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
-    parser.add_argument("--num-layers", type=POSITIVE, default=layers)
-    parser.add_argument("--num-features", type=POSITIVE, default=None, help="target layers read (default: num-layers)")
-    parser.add_argument("--block-size", type=int_flag(2), default=16)
-    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--num-layers", type=POSITIVE, default=layers, help="drafter layers")
+    parser.add_argument(
+        "--num-features", type=POSITIVE, default=None, help="target layers read (default: --num-layers)"
+    )
+    parser.add_argument(
+        "--block-size", type=int_flag(2), default=16, help="tokens drafted per block, the anchor's included"
+    )
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the initial weights (and of training)")
     parser.add_argument(
         "--mask-token-id", type=int_flag(0), default=None, help="default: the tokenizer's mask/unk/pad token"
     )
 
 
 def _train_parser(drafter: Any) -> None:
-    train = drafter.add_parser("train", help="train a DFlash drafter on the target's own responses")
-    train.add_argument("--target", help="target directory; default: the default target")
-    train.add_argument("--data", required=True, help="JSONL file of `drafter data`, or a directory of `pack-data`")
-    train.add_argument("--out", required=True, help="drafter directory (checkpoints and runs.json land here too)")
+    examples = (
+        "ddtree drafter train --model TARGET --data data.jsonl --out DRAFTER --steps 2000 --eval-heldout",
+        "ddtree drafter train --data packed/ --out DRAFTER --resume --max-minutes 60 --total-minutes 240",
+    )
+    train = add_command(drafter, "train", "train a DFlash drafter on the target's own responses", examples)
+    _target_arg(train)
+    train.add_argument(
+        "--data", required=True, metavar="PATH", help="JSONL file of `drafter data`, or a directory of `pack-data`"
+    )
+    train.add_argument(
+        "--out", required=True, metavar="DIR", help="drafter directory (checkpoints and runs.json land here too)"
+    )
     _shape_args(train, layers=2)
-    train.add_argument("--steps", type=POSITIVE, default=1000)
-    train.add_argument("--batch-size", type=POSITIVE, default=16)
+    train.add_argument("--steps", type=POSITIVE, default=1000, help="optimizer steps")
+    train.add_argument("--batch-size", type=POSITIVE, default=16, help="sequences per step")
     train.add_argument("--anchors", type=POSITIVE, default=32, help="blocks per sequence")
-    train.add_argument("--lr", type=float_flag(0, above=True), default=6e-4)
+    train.add_argument("--lr", type=float_flag(0, above=True), default=6e-4, help="peak learning rate")
     train.add_argument(
         "--gamma", type=float_flag(0, above=True), default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k"
     )
     train.add_argument(
         "--distill", choices=("ce", "kl"), default="ce", help="ce: the data's tokens; kl: the target's distributions"
     )
-    train.add_argument("--max-len", type=int_flag(2), default=512)
-    train.add_argument("--checkpoint-every", type=POSITIVE, default=200)
+    train.add_argument("--max-len", type=int_flag(2), default=512, help="tokens per training sequence, at most")
+    train.add_argument("--checkpoint-every", type=POSITIVE, default=200, help="steps between checkpoints")
     train.add_argument(
         "--max-minutes", type=float_flag(0, above=True), default=None, help="this run's wall-clock limit"
     )
@@ -158,50 +170,86 @@ def _train_parser(drafter: Any) -> None:
         help="training time over all runs that the LR schedule spans (default: --max-minutes); give it every run",
     )
     train.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
-    train.add_argument("--init", help="start from this drafter's weights (its shape wins over the shape options)")
+    train.add_argument(
+        "--init", metavar="DIR", help="start from this drafter's weights (its shape wins over the shape options)"
+    )
     train.add_argument(
         "--eval-heldout",
         action="store_true",
         help="after the run: tau of dflash and ddtree B=32 on 16 held-out prompts, stored in runs.json",
     )
-    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    device_args(train, dtype=False)
     train.set_defaults(func=_train)
 
 
 def _travel_parsers(drafter: Any) -> None:
-    pack = drafter.add_parser(
-        "pack-data", help="JSONL data files or packed directories -> one packed data directory (safetensors shards)"
+    pack = add_command(
+        drafter,
+        "pack-data",
+        "JSONL data files or packed directories -> one packed data directory (safetensors shards)",
+        ("ddtree drafter pack-data data-1.jsonl data-2.jsonl packed/",),
     )
     pack.add_argument("data", nargs="+", help="JSONL files of `drafter data` or directories of `pack-data`, merged")
     pack.add_argument("out", help="output directory (data.json and data-*.safetensors)")
-    pack.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
+    pack.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds, in MiB")
     pack.set_defaults(func=_pack_data)
-
-    state = drafter.add_parser("state", help="the trainer state as a compact bundle, and back").add_subparsers(
-        dest="state_command", required=True
+    _state_parsers(drafter)
+    part = add_command(
+        drafter,
+        "part",
+        "copy one part of the files of bundles, within file and size limits",
+        (
+            "ddtree drafter part state/ packed/ --out part1/ --part 1",
+            "ddtree drafter part state/ packed/ --out part2/ --part 2",
+        ),
     )
-    export = state.add_parser("export", help="a drafter directory's trainer state -> state.json + shards")
-    export.add_argument("drafter", help="drafter directory with trainer_state.pt")
-    export.add_argument("out", help="output directory")
-    export.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds")
-    export.set_defaults(func=_state_export)
-    imp = state.add_parser("import", help="a complete state bundle -> a drafter directory that training resumes")
-    imp.add_argument("bundle", help="directory with state.json and all its shards")
-    imp.add_argument("drafter", help="drafter directory to write")
-    imp.set_defaults(func=_state_import)
-
-    part = drafter.add_parser("part", help="copy one part of the files of bundles, within file and size limits")
     part.add_argument("bundles", nargs="+", help="bundle directories (a state, packed data)")
-    part.add_argument("--dest", required=True, help="directory to copy the part's files into")
+    part.add_argument(
+        "--out",
+        "--dest",
+        dest="dest",
+        required=True,
+        metavar="DIR",
+        help="directory to copy the part's files into" + deprecated("--dest"),
+    )
     part.add_argument("--part", type=POSITIVE, default=1, help="which part, from 1 (the output names their number)")
     part.add_argument("--max-files", type=int_flag(2), default=7, help="files per part, manifests included")
     part.add_argument("--max-mib", type=float_flag(0, above=True), default=44.0, help="bytes per part, in MiB")
     part.set_defaults(func=_part)
-
-    gather = drafter.add_parser("gather", help="collect the bundle files of one part into ROOT/<bundle name>/")
+    gather = add_command(
+        drafter,
+        "gather",
+        "collect the bundle files of one part into ROOT/<bundle name>/",
+        ("ddtree drafter gather part1/ bundles/ && ddtree drafter gather part2/ bundles/",),
+    )
     gather.add_argument("source", help="a directory holding a part's files")
     gather.add_argument("root", help="where the bundles are put together (ROOT/state, ROOT/data)")
     gather.set_defaults(func=_gather)
+
+
+def _state_parsers(drafter: Any) -> None:
+    examples = ("ddtree drafter state export DRAFTER state/", "ddtree drafter state import state/ DRAFTER")
+    group = add_command(drafter, "state", "the trainer state as a compact bundle, and back", examples)
+    state = group.add_subparsers(dest="state_command", required=True, title="commands", metavar="COMMAND")
+    export = add_command(
+        state,
+        "export",
+        "a drafter directory's trainer state -> state.json + shards",
+        ("ddtree drafter state export DRAFTER state/ --shard-mib 15",),
+    )
+    export.add_argument("drafter", help="drafter directory with trainer_state.pt")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--shard-mib", type=SHARD_MIB, default=15.0, help="the most one shard file holds, in MiB")
+    export.set_defaults(func=_state_export)
+    imp = add_command(
+        state,
+        "import",
+        "a complete state bundle -> a drafter directory that training resumes",
+        ("ddtree drafter state import state/ DRAFTER  # then: drafter train --resume --out DRAFTER ...",),
+    )
+    imp.add_argument("bundle", help="directory with state.json and all its shards")
+    imp.add_argument("drafter", help="drafter directory to write")
+    imp.set_defaults(func=_state_import)
 
 
 @contextlib.contextmanager

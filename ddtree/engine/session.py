@@ -7,7 +7,8 @@ are masked (they commit nothing), not compacted away, so steps come in a few sha
 captured once replays every later step of its shape. Slots are
 independent: a request's tokens depend only on its prompt, its settings and its seed.
 
-A step: draft -> tree_build -> verify -> accept (see `ddtree.engine.graphs` for how they run). It makes one
+A step: draft -> tree_build -> verify -> accept, the plain functions of `ddtree.engine.step` over a typed
+`StepState`, run eagerly or as graph replays by `ddtree.engine.graphs.StepRunner`. It makes one
 device-to-host transfer, the accepted tokens, which the caller needs anyway. With an observer, what telemetry
 needs of the device (the tree, and on a graphed GPU the stages' device clock stamps) rides along in the same
 rows (`ddtree.engine.probe`) and reaches the observer as `on_probe`; without one the rows are the tokens alone.

@@ -11,6 +11,9 @@ Connections: uvicorn's own settings where it has them (`timeout_keep_alive`, `h1
 `backlog`, from `ServerSettings`), and the h11 protocol of `ddtree.server.connections` for the head timeout
 and the connection cap, which uvicorn has not. Log lines that repeat (asyncio's, uvicorn's, ours) are let
 through once a minute (`ddtree.server.logs`).
+
+Start-up: once the pair is loaded and uvicorn listens, `serve` prints one line on stderr saying what is served
+where (`startup_line`), with the port bound (`--port 0` picks one).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import math
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -30,7 +34,7 @@ from fastapi import FastAPI
 from ddtree.server.app import ServerState, create_app
 from ddtree.server.connections import ConnectionLimits, connection_budget, fd_limit, guarded_protocol
 from ddtree.server.logs import guard_logs
-from ddtree.server.model import ServerSettings
+from ddtree.server.model import ServedModel, ServerSettings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -41,6 +45,19 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.announce = False  # print `startup_line` on stderr once listening (what `serve` asks for)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.announce:
+            print(startup_line(self.state.model, self.url()), file=sys.stderr, flush=True)
+
+    def url(self) -> str:
+        """Where the server listens: the configured host, and the port bound (which `--port 0` leaves open)."""
+        host = self.config.host or "0.0.0.0"
+        bound = [s.getsockname() for server in getattr(self, "servers", []) for s in server.sockets]
+        port = bound[0][1] if bound and isinstance(bound[0], tuple) else self.config.port
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
@@ -87,6 +104,23 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> 
     return GracefulServer(config, state)
 
 
+def startup_line(model: ServedModel, url: str) -> str:
+    """`ddtree serve: SmolLM2-135M-Instruct, method ddtree, budget 32, top-k 32, cuda, bfloat16, graphs on, at
+    http://127.0.0.1:8000 (OpenAI API under /v1)`: the budget and top-k the engine verifies, where drafting."""
+    target = model.engine.target
+    method = f"method {model.generation.method}"
+    if model.tree_budget:
+        method += f", budget {model.tree_budget}, top-k {model.tree_topk or 'none'}"
+    dtype = str(target.dtype).removeprefix("torch.")
+    graphs = "on" if model.engine.cuda_graphs else "off"
+    return (
+        f"ddtree serve: {model.model_id}, {method}, {target.device}, {dtype}, graphs {graphs}, "
+        f"at {url} (OpenAI API under /v1)"
+    )
+
+
 def serve(settings: ServerSettings, host: str, port: int) -> None:
-    """Load the pair, serve until a signal, shut down gracefully."""
-    make_server(create_app(settings), host, port).run()
+    """Load the pair, say so on stderr once listening, serve until a signal, shut down gracefully."""
+    server = make_server(create_app(settings), host, port)
+    server.announce = True
+    server.run()

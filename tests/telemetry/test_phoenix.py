@@ -38,7 +38,7 @@ def test_steps_arrive_in_phoenix_with_their_stages(protocol: str, tiny_dirs: tup
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "examples" / "phoenix_trace.py"),
+            str(ROOT / "scripts" / "phoenix_trace.py"),
             *("--phoenix-python", PHOENIX_PYTHON, "--model", str(target), "--drafter", str(drafter)),
             *("--prompts", "2", "--max-new-tokens", "12", "--protocol", protocol, "--json", str(summary)),
             *(("--screenshot", str(shot)) if browser else ()),

@@ -12,7 +12,7 @@ from pathlib import Path
 from ddtree.cli.main import main
 from ddtree.train.data import TrainingSequence, pack_sequences
 
-SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "train_default_drafter.sh"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "train_default_drafter.sh"
 
 
 def _script(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -109,7 +109,7 @@ def test_the_plot_script_writes_a_png(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         (tmp_path / name / "runs.json").write_text(json.dumps(_runs(taus)))
     png = tmp_path / "runs.png"
-    script = ROOT / "examples" / "plot_drafter_runs.py"
+    script = ROOT / "scripts" / "plot_drafter_runs.py"
     args = [sys.executable, str(script), str(tmp_path / "ce" / "runs.json"), str(tmp_path / "kl" / "runs.json")]
     done = subprocess.run([*args, "--out", str(png)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

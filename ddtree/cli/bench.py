@@ -1,0 +1,249 @@
+"""`ddtree bench`: tau and speed of ar, dflash and ddtree on one prompt set (argument glue over `ddtree.bench`).
+
+The header line (what runs where) is printed before the rows run, and on a terminal a progress bar on stderr
+counts the rows' batch runs, warm-ups included; off a terminal stderr stays quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddtree.cli.common import (
+    POSITIVE,
+    add_command,
+    budget_list,
+    deprecated,
+    device_args,
+    engine_options,
+    model_args,
+)
+from ddtree.errors import UserError
+from ddtree.methods import METHOD_NAMES
+
+# Names shared with the other subcommands (old spellings kept as aliases for a release):
+# - `--num-prompts N` as in `drafter data` (and vLLM's and SGLang's benchmarks); `--limit` is its old name.
+# - `--out FILE` writes the rows as JSON, as `--out` names what every command writes; `--json` is a flag
+#   elsewhere (print JSON on stdout), so `--json FILE` here is the old, deprecated spelling.
+# - `--cost-curve FILE`: the file this writes and `ddtree advise --cost-curve` reads.
+EXAMPLES = (
+    "ddtree bench --num-prompts 8 --max-new-tokens 64 --budgets 16,32",
+    "ddtree bench --model TARGET --drafter DRAFTER --batch-size 16 --continuous --out rows.json",
+    "ddtree bench --methods ddtree --budgets 1,4,16,64 --num-prompts 4 --cost-curve cost.json",
+)
+
+
+def add_parser(sub: Any) -> None:
+    bench = add_command(sub, "bench", "tau and speed of ar, dflash and ddtree on a prompt set, in one run", EXAMPLES)
+    model_args(bench)
+    bench.add_argument(
+        "--prompts", metavar="FILE", help="JSONL file of {'prompt': TEXT}; default: the built-in held-out set"
+    )
+    bench.add_argument(
+        "--num-prompts",
+        "--limit",
+        dest="limit",
+        type=POSITIVE,
+        metavar="N",
+        help="use the first N prompts (default: all)" + deprecated("--limit"),
+    )
+    bench.add_argument(
+        "--methods", default="ar,dflash,ddtree", help=f"comma-separated methods to run, of {', '.join(METHOD_NAMES)}"
+    )
+    bench.add_argument(
+        "--budgets",
+        type=budget_list,
+        default="4,8,16,32,64",
+        help="comma-separated tree budgets: one row per budget for methods tuned by it (ddtree)",
+    )
+    bench.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
+    bench.add_argument("--batch-size", type=POSITIVE, default=1, help="prompts decoded together")
+    bench.add_argument(
+        "--continuous",
+        action="store_true",
+        help="our rows stream the prompts through --batch-size slots (continuous batching, as the server runs)",
+    )
+    bench.add_argument(
+        "--baseline", choices=("hf",), action="append", default=[], help="add HF transformers generate's row"
+    )
+    bench.add_argument(
+        "--rounds",
+        type=POSITIVE,
+        default=None,
+        help="timed rounds of the interleaved rows (default 1), or off/on rounds for --telemetry-overhead (default 4)",
+    )
+    device_args(bench, graphs=True)
+    bench.add_argument(
+        "--out",
+        "--json",
+        dest="json_out",
+        metavar="FILE",
+        help="also write the rows to this JSON file" + deprecated("--json"),
+    )
+    bench.add_argument(
+        "--cost-curve", metavar="FILE", help="also write ddtree's ms per step by budget here (for `ddtree advise`)"
+    )
+    bench.add_argument(
+        "--telemetry-overhead",
+        action="store_true",
+        help="instead: tokens/s of the first method and budget with telemetry off and on, interleaved",
+    )
+    bench.add_argument("--tree-build", action="store_true", help="instead: time the tree build alone (torch, triton)")
+    bench.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ddtree.bench.rows import format_rows, run_bench
+    from ddtree.data import heldout_prompts
+    from ddtree.models.chat import chat_ids, eos_ids
+    from ddtree.runtime import resolve_paths
+
+    if args.tree_build:
+        return _tree_build_bench(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHOD_NAMES]
+    if bad or not methods:
+        raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
+    options = engine_options(args)
+    options.check()
+    prompts = heldout_prompts(args.prompts)[: args.limit]
+    if not prompts:
+        raise UserError(f"no prompts in {args.prompts!r}")
+    model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
+    target, drafter, tokenizer = options.load_models(model, drafter_dir)
+    if tokenizer is None:
+        raise UserError("bench needs a model with a tokenizer")
+    if args.telemetry_overhead:
+        return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
+    eos = eos_ids(tokenizer, target)
+    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    engine = options.engine(target, drafter)
+    rounds = args.rounds or 1
+    graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
+    batching = f"continuous batching in {args.batch_size} slots" if args.continuous else f"batch {args.batch_size}"
+    print(
+        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {batching}, "
+        f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}, "
+        f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}",
+        flush=True,
+    )
+    with ProgressBar(enabled=sys.stderr.isatty()) as bar:
+        rows = run_bench(
+            engine,
+            encoded,
+            args.budgets,
+            args.max_new_tokens,
+            args.batch_size,
+            methods,
+            eos,
+            rounds,
+            bool(args.baseline),
+            args.continuous,
+            progress=bar,
+        )
+    print(format_rows(rows))
+    _write_outputs(args, rows)
+    return 0
+
+
+class ProgressBar:
+    """A `ddtree.bench.rows.Progress` that draws a tqdm bar on stderr, made on the first report; `enabled`
+    False (stderr is no terminal): nothing is drawn. Closes, and leaves no trace, when the block ends."""
+
+    def __init__(self, enabled: bool, stream: Any = None) -> None:
+        self.enabled = enabled
+        self.stream = stream
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            file = self.stream if self.stream is not None else sys.stderr
+            # a redraw per batch run (each takes far longer than a redraw), so the last run always shows
+            self.bar = tqdm(
+                total=total, desc="bench", unit="run", file=file, leave=False, dynamic_ncols=True, mininterval=0
+            )
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _write_outputs(args: argparse.Namespace, rows: list[Any]) -> None:
+    from ddtree.bench.rows import rows_json
+
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+    if args.cost_curve:
+        from telemetry.analysis.advise import write_cost
+
+        curve = [(r.budget, r.ms_per_step) for r in rows if r.method == "ddtree" and r.budget]
+        write_cost(Path(args.cost_curve), curve, args.batch_size)
+
+
+def _tree_build_bench(args: argparse.Namespace) -> int:
+    """`bench --tree-build`: the tree build alone on random logits, torch ops against the fused kernels."""
+    from ddtree.bench.tree_build import time_tree_build
+    from ddtree.models.pair import resolve_device
+
+    device = str(resolve_device(args.device))
+    print(f"tree build on {device}, depth 15, vocab 49152, random float32 logits; median ms", flush=True)
+    print(f"{'batch':>6}{'budget':>8}{'torch':>10}{'triton':>10}")
+    for batch in (1, 32):
+        for budget in (32, 256):
+            times = time_tree_build(device, batch, 15, 49152, budget, repeats=20)
+            fused = f"{times['fused_ms']:.3f}" if "fused_ms" in times else "-"
+            print(f"{batch:>6}{budget:>8}{times['torch_ms']:>10.3f}{fused:>10}")
+    return 0
+
+
+def _overhead(
+    args: argparse.Namespace,
+    paths: tuple[str, str | None],
+    target: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    method: str,
+) -> int:
+    """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs."""
+    from ddtree.bench.rows import PairSpec, telemetry_overhead
+    from ddtree.engine.engine import GenerationConfig
+    from ddtree.methods import method_label
+    from ddtree.models.chat import chat_ids, eos_ids
+    from telemetry.config import TelemetryConfig
+
+    config = GenerationConfig(
+        method=method,
+        budget=args.budgets[0],
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=eos_ids(tokenizer, target),
+    )
+    env = TelemetryConfig.from_env()
+    on = TelemetryConfig(
+        enabled=True,
+        traces_exporter=env.traces_exporter,
+        metrics_exporter="prometheus",
+        otlp_endpoint=env.otlp_endpoint,
+        otlp_protocol=env.otlp_protocol,
+        prometheus_port=0,
+        log_file=env.log_file or os.devnull,
+    )
+    encoded = [chat_ids(tokenizer, p) for p in prompts]
+    pair = PairSpec(paths[0], paths[1], args.device, args.dtype)
+    off_tps, on_tps = telemetry_overhead(pair, encoded, config, args.batch_size, args.rounds or 4, on)
+    label = method_label(method, args.budgets[0])
+    print(f"{label}: telemetry off {off_tps:.1f} tok/s, on {on_tps:.1f} tok/s, on/off {on_tps / off_tps:.3f}")
+    return 0
