@@ -140,7 +140,7 @@ def test_a_stamped_session_simulated_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
 
     def capture(self: StepRunner[Any], state: Any) -> graphs._Captured[Any]:
         if self.stamped:
-            state.stamps = torch.zeros(len(self.stages) + 1, dtype=torch.int64)  # [stages + 1]
+            state.stamps = torch.zeros(len(self.stages) + 1, dtype=torch.int64, device=self.device)  # [stages + 1]
         groups = [_DeferredGraph(group, state) for group in self._groups()]
         return graphs._Captured(graphs=groups, state=state, per_stage=self.per_stage)
 
