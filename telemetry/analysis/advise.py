@@ -9,7 +9,7 @@ costs less, so the measured times are first made non-decreasing in the budget (n
 pooled: isotonic regression), then interpolated linearly between budgets; below the smallest measured
 budget the time is that budget's (no extrapolation towards zero), and beyond the largest it grows along the
 last segment. A top-k cap changes the tree's shape, not its size, so the curve does not depend on it. A log
-with one budget and no `--cost` has no curve: advise then gives the replayed tau table alone (no tokens/s,
+with one budget and no cost file has no curve: advise then gives the replayed tau table alone (no tokens/s,
 no recommendation).
 
 What the figures rest on, and how sure they are:
@@ -43,7 +43,7 @@ WARN_BELOW = 0.99  # completeness share under which the advice warns
 REFUSE_BELOW = 0.90  # and under which it is refused
 NO_COST = (
     "no cost curve: the log times ddtree's steady steps at one budget only; for tokens/s and a recommendation"
-    " pass --cost FILE (`ddtree bench --cost-curve FILE`)"
+    " give it a cost curve (`ddtree bench --cost-curve FILE`, then `ddtree advise LOG --cost-curve FILE`)"
 )
 
 
