@@ -129,10 +129,11 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from telemetry.analysis.advise import advise, format_advice, read_cost
+    from telemetry.analysis.advise import advise, format_advice
+    from telemetry.analysis.cost import read_costs
 
     try:
-        cost = read_cost(Path(args.cost)) if args.cost else None
+        cost = read_costs(Path(args.cost)) if args.cost else None
     except OSError as exc:
         raise UserError(f"cannot read --cost-curve {args.cost!r}: {exc.strerror}") from exc
     except ValueError as exc:

@@ -34,6 +34,7 @@ EXAMPLES = (
     "ddtree bench --num-prompts 8 --max-new-tokens 64 --budgets 16,32",
     "ddtree bench --model TARGET --drafter DRAFTER --batch-size 16 --continuous --out rows.json",
     "ddtree bench --methods ddtree --budgets 1,4,16,64 --num-prompts 4 --cost-curve cost.json",
+    "ddtree bench --methods ar,ddtree --batch-sizes 1,4,16,64 --num-prompts 64 --cost-curve c.json",
 )
 
 
@@ -63,6 +64,13 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
     bench.add_argument("--batch-size", type=POSITIVE, default=1, help="prompts decoded together")
     bench.add_argument(
+        "--batch-sizes",
+        type=budget_list,
+        metavar="LIST",
+        help="instead of --batch-size: one table per batch size, in one run (e.g. 1,4,16,64); with --cost-curve,"
+        " one curve per batch size",
+    )
+    bench.add_argument(
         "--continuous",
         action="store_true",
         help="our rows stream the prompts through --batch-size slots (continuous batching, as the server runs)",
@@ -85,7 +93,9 @@ def add_parser(sub: Any) -> None:
         help="also write the rows to this JSON file" + deprecated("--json"),
     )
     bench.add_argument(
-        "--cost-curve", metavar="FILE", help="also write ddtree's ms per step by budget here (for `ddtree advise`)"
+        "--cost-curve",
+        metavar="FILE",
+        help="also write ar's and ddtree's ms per step by budget here, per batch size (for `ddtree advise`)",
     )
     bench.add_argument(
         "--telemetry-overhead",
@@ -97,7 +107,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree.bench.rows import format_rows, run_bench
     from ddtree.data import heldout_prompts
     from ddtree.models.chat import chat_ids, eos_ids
     from ddtree.runtime import resolve_paths
@@ -113,6 +122,11 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = heldout_prompts(args.prompts)[: args.limit]
     if not prompts:
         raise UserError(f"no prompts in {args.prompts!r}")
+    if args.batch_sizes and not args.continuous and max(args.batch_sizes) > len(prompts):
+        # a static batch larger than the prompts would time fewer rows than its curve says
+        raise UserError(
+            f"--batch-sizes {max(args.batch_sizes)} needs at least as many prompts; there are {len(prompts)}"
+        )
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
     target, drafter, tokenizer = options.load_models(model, drafter_dir)
     if tokenizer is None:
@@ -122,11 +136,27 @@ def _bench(args: argparse.Namespace) -> int:
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     engine = options.engine(target, drafter)
+    sizes = args.batch_sizes or [args.batch_size]
+    measured: list[Any] = []
+    for batch_size in sizes:
+        rows = _bench_at(args, engine, encoded, eos, methods, batch_size)
+        measured += [(batch_size, row) for row in rows]
+    _write_outputs(args, measured)
+    return 0
+
+
+def _bench_at(
+    args: argparse.Namespace, engine: Any, encoded: list[list[int]], eos: tuple[int, ...], methods: list[str], size: int
+) -> list[Any]:
+    """The rows at one batch size: the header first, then the table."""
+    from ddtree.bench.rows import format_rows, run_bench
+
     rounds = args.rounds or 1
     graphs = "CUDA graphs" if engine.cuda_graphs else "eager"
-    batching = f"continuous batching in {args.batch_size} slots" if args.continuous else f"batch {args.batch_size}"
+    batching = f"continuous batching in {size} slots" if args.continuous else f"batch {size}"
+    target = engine.target
     print(
-        f"{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {batching}, "
+        f"{len(encoded)} prompts, {args.max_new_tokens} new tokens max, {batching}, "
         f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}, "
         f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}",
         flush=True,
@@ -137,7 +167,7 @@ def _bench(args: argparse.Namespace) -> int:
             encoded,
             args.budgets,
             args.max_new_tokens,
-            args.batch_size,
+            size,
             methods,
             eos,
             rounds,
@@ -146,8 +176,7 @@ def _bench(args: argparse.Namespace) -> int:
             progress=bar,
         )
     print(format_rows(rows))
-    _write_outputs(args, rows)
-    return 0
+    return rows
 
 
 class ProgressBar:
@@ -182,16 +211,26 @@ class ProgressBar:
             self.bar = None
 
 
-def _write_outputs(args: argparse.Namespace, rows: list[Any]) -> None:
+def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]]) -> None:
+    """`--out`: every row (with its batch size when there are several); `--cost-curve`: ar's and ddtree's ms
+    per step, one curve per batch size."""
     from ddtree.bench.rows import rows_json
 
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows_json(rows), indent=2))
+        sizes = {size for size, _ in measured}
+        records = rows_json([row for _, row in measured])
+        if len(sizes) > 1:
+            records = [{"batch_size": size, **r} for (size, _), r in zip(measured, records, strict=True)]
+        Path(args.json_out).write_text(json.dumps(records, indent=2))
     if args.cost_curve:
-        from telemetry.analysis.advise import write_cost
+        from telemetry.analysis.cost import CostPoint, write_costs
 
-        curve = [(r.budget, r.ms_per_step) for r in rows if r.method == "ddtree" and r.budget]
-        write_cost(Path(args.cost_curve), curve, args.batch_size)
+        points = [
+            CostPoint(size, row.method, row.budget, row.ms_per_step)
+            for size, row in measured
+            if row.steps and (row.method == "ar" or (row.method == "ddtree" and row.budget))
+        ]
+        write_costs(Path(args.cost_curve), points)
 
 
 def _tree_build_bench(args: argparse.Namespace) -> int:

@@ -29,11 +29,10 @@ What the figures rest on, and how sure they are:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+from telemetry.analysis.cost import CostCurve, CostFile, cost_from_log
 from telemetry.analysis.digest import Digest, Key
 from telemetry.analysis.replay import ReplayTable
 from telemetry.analysis.steps import Completeness, ConfigStats, warmup_note
@@ -49,71 +48,6 @@ NO_COST = (
 
 class IncompleteLog(ValueError):
     """Too few of the run's steps are in the log to advise on."""
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    points: tuple[tuple[int, float], ...]  # (budget, ms per step), sorted by budget, two or more budgets
-    source: str
-
-    def step_ms(self, budget: int) -> float:
-        pts = self.points
-        if budget <= pts[0][0]:
-            return pts[0][1]
-        i = 1
-        while i < len(pts) - 1 and pts[i][0] < budget:
-            i += 1
-        (b0, m0), (b1, m1) = pts[i - 1], pts[i]
-        return m0 + (m1 - m0) * (budget - b0) / (b1 - b0)
-
-
-def cost_curve(points: list[tuple[int, float]], source: str) -> CostCurve:
-    """A curve through `points` (several points at one budget are averaged)."""
-    by_budget: dict[int, list[float]] = {}
-    for budget, ms in points:
-        if budget < 1 or not ms > 0:
-            raise ValueError(f"a cost point needs a budget >= 1 and a positive step time, got ({budget}, {ms})")
-        by_budget.setdefault(budget, []).append(ms)
-    if len(by_budget) < 2:
-        raise ValueError(f"a cost curve needs step times at two or more budgets; {source} has {len(by_budget)}")
-    budgets = sorted(by_budget)
-    times = non_decreasing([sum(by_budget[b]) / len(by_budget[b]) for b in budgets])
-    return CostCurve(tuple(zip(budgets, times, strict=True)), source)
-
-
-def non_decreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks: list[tuple[float, int]] = []  # (mean, size)
-    for v in values:
-        blocks.append((v, 1))
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks.pop(), blocks.pop()
-            blocks.append(((m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2))
-    return [m for m, n in blocks for _ in range(n)]
-
-
-def cost_from_log(configs: list[ConfigStats]) -> CostCurve | None:
-    """The log's own curve: the mean steady step time of each ddtree budget that ran; None with fewer than two."""
-    points = [(g.budget, g.step_ms) for g in configs if g.method == "ddtree" and g.timed_steps and g.step_ms > 0]
-    if len({b for b, _ in points}) < 2:
-        return None
-    return cost_curve(points, "the log (steady steps)")
-
-
-def read_cost(path: Path) -> CostCurve:
-    """A curve written by `ddtree bench --cost-curve`: {"points": [{"budget": B, "step_ms": ms}, ...]}."""
-    try:
-        data = json.loads(path.read_text())
-        points = [(int(p["budget"]), float(p["step_ms"])) for p in data["points"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{str(path)!r} is not a cost curve ({exc!r})") from exc
-    return cost_curve(points, repr(str(path)))
-
-
-def write_cost(path: Path, points: list[tuple[int, float]], batch_size: int) -> None:
-    """The format `read_cost` reads."""
-    rows = [{"budget": b, "step_ms": ms} for b, ms in points]
-    path.write_text(json.dumps({"batch_size": batch_size, "points": rows}, indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -169,9 +103,10 @@ def check_complete(completeness: Completeness) -> list[str]:
     return [f"incomplete log: {completeness.line()} (under {WARN_BELOW:.0%}): the replay is over the complete requests"]
 
 
-def advise(digest: Digest, cost: CostCurve | None = None) -> dict[str, Any]:
+def advise(digest: Digest, cost: CostCurve | CostFile | None = None) -> dict[str, Any]:
     """The predictions, the recommendation, and predicted against measured for the ddtree configurations
-    in the log. Raises ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
+    in the log. A cost file of several batch sizes gives the curve nearest the replayed run's active requests
+    per step. Raises ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
     source = digest.replay_source()
     if source is None:
         raise ValueError("the log has no ddtree request lines with accepted paths to replay")
@@ -179,9 +114,12 @@ def advise(digest: Digest, cost: CostCurve | None = None) -> dict[str, Any]:
     completeness = digest.completeness(key)
     warnings = check_complete(completeness)
     configs = digest.sorted_configs()
-    cost = cost or cost_from_log(configs)
     logged = digest.configs.get(key)
-    predictions = predict(table, logged.active_per_step if logged and logged.steps else 1.0, cost)
+    active = logged.active_per_step if logged and logged.steps else 1.0
+    if isinstance(cost, CostFile):
+        cost = cost.for_rows(active)
+    cost = cost or cost_from_log(configs)
+    predictions = predict(table, active, cost)
     best = recommend(predictions)
     return {
         "source": {

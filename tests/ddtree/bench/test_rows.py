@@ -89,7 +89,7 @@ def test_bench_tree_build_times_the_torch_path_on_cpu(capsys: pytest.CaptureFixt
 
 
 def test_bench_writes_a_cost_curve_that_advise_reads(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    from telemetry.analysis.advise import read_cost
+    from telemetry.analysis.cost import read_cost
 
     target, drafter = tiny_dirs
     cost = tmp_path / "cost.json"
@@ -97,7 +97,46 @@ def test_bench_writes_a_cost_curve_that_advise_reads(tiny_dirs: tuple[Path, Path
     assert main([*argv, "--limit", "2", "--max-new-tokens", "4", "--cost-curve", str(cost)]) == 0
     curve = read_cost(cost)
     assert [b for b, _ in curve.points] == [2, 16] and all(ms > 0 for _, ms in curve.points)
-    assert json.loads(cost.read_text())["batch_size"] == 1
+    (only,) = json.loads(cost.read_text())["curves"]
+    assert only["batch_size"] == 1 and only["ar_step_ms"] > 0
+
+
+def test_bench_writes_one_curve_per_batch_size(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--batch-sizes`: a table per batch size in one run, and a curve per batch size with ar's time beside it,
+    which advise picks by the load nearest the log's."""
+    from telemetry.analysis.cost import read_costs
+
+    target, drafter = tiny_dirs
+    cost, out = tmp_path / "cost.json", tmp_path / "rows.json"
+    argv = ["bench", "--model", str(target), "--drafter", str(drafter), "--methods", "ar,ddtree", "--budgets", "2,8"]
+    argv += ["--num-prompts", "4", "--max-new-tokens", "4", "--batch-sizes", "1,4", "--cost-curve", str(cost)]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "batch 1," in printed and "batch 4," in printed and printed.count("ddtree B=8") == 2
+    costs = read_costs(cost)
+    assert sorted(costs.curves) == sorted(costs.ar_step_ms) == [1, 4]
+    assert all([b for b, _ in c.points] == [2, 8] for c in costs.curves.values())
+    assert costs.for_rows(1.0) is costs.curves[1] and costs.for_rows(3.0) is costs.curves[4]
+    rows = json.loads(out.read_text())
+    assert sorted({(r["batch_size"], r["method"], r["budget"]) for r in rows}) == [
+        (1, "ar", None),
+        (1, "ddtree", 2),
+        (1, "ddtree", 8),
+        (4, "ar", None),
+        (4, "ddtree", 2),
+        (4, "ddtree", 8),
+    ]
+
+
+def test_batch_sizes_beyond_the_prompts_are_refused(
+    tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, drafter = tiny_dirs
+    argv = ["bench", "--model", str(target), "--drafter", str(drafter), "--num-prompts", "2", "--batch-sizes", "1,4"]
+    assert main(argv) == 2
+    assert "--batch-sizes 4 needs at least as many prompts; there are 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("batches", "rows", "rounds"), [(3, 4, 2), (5, 2, 1), (1, 3, 3)])

@@ -16,7 +16,8 @@ import pytest
 from ddtree.cli.main import main
 from ddtree.engine.engine import Engine, GenerationConfig
 from telemetry import semconv as sc
-from telemetry.analysis.advise import REFUSE_BELOW, WARN_BELOW, write_cost
+from telemetry.analysis.advise import REFUSE_BELOW, WARN_BELOW
+from telemetry.analysis.cost import write_cost
 from telemetry.analysis.digest import Digest
 from telemetry.analysis.steps import iter_records
 from telemetry.collector import Collector

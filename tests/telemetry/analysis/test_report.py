@@ -19,7 +19,15 @@ from PIL import Image
 from ddtree.cli.main import main
 from ddtree.engine.engine import Engine, GenerationConfig
 from telemetry import semconv as sc
-from telemetry.analysis.advise import cost_curve, non_decreasing, read_cost, write_cost
+from telemetry.analysis.cost import (
+    CostPoint,
+    cost_curve,
+    non_decreasing,
+    read_cost,
+    read_costs,
+    write_cost,
+    write_costs,
+)
 from telemetry.analysis.digest import Digest
 from telemetry.analysis.report import DPI, FIGSIZE, PLOTS
 from telemetry.analysis.steps import LineCounts, iter_records
@@ -172,6 +180,48 @@ def test_advise_with_a_cost_file_and_its_errors(
     assert "two or more budgets" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_advise_takes_the_curve_of_the_batch_size_nearest_the_logged_load(
+    logged: tuple[Path, dict[int, float]], tmp_path: Path, capsys: Any
+) -> None:
+    """A cost file of several batch sizes: the curve nearest the replayed run's requests per step is the one
+    priced (flat there, steep at the other load), and the advice says which it took."""
+    path = logged[0]
+    rows = json.loads(_advise_json(path, capsys))["source"]["steps"] / _steps_of(path, 16)
+    near, far = max(1, round(rows)), max(1, round(rows)) * 16
+    cost = tmp_path / "cost.json"
+    write_costs(
+        cost,
+        [CostPoint(near, "ddtree", b, 1.0) for b in (1, 16)]
+        + [CostPoint(far, "ddtree", b, float(b)) for b in (1, 16)]
+        + [CostPoint(near, "ar", None, 0.5)],
+    )
+    costs = read_costs(cost)
+    assert costs.ar_step_ms == {near: 0.5} and costs.batch_for(rows) == near
+    assert main(["advise", str(path), "--cost-curve", str(cost), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cost"]["source"].endswith(f"at batch size {near}")
+    for c in result["configs"]:  # the flat curve: tokens/s is requests per step x tau per millisecond
+        assert c["predicted_tokens_per_second"] == pytest.approx(rows * c["predicted_tau"] * 1000)
+
+
+def test_a_cost_file_of_the_first_format_reads_as_one_curve(tmp_path: Path) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps({"batch_size": 16, "points": [{"budget": 4, "step_ms": 2.0}, {"budget": 8, "step_ms": 3}]})
+    )
+    costs = read_costs(old)
+    assert list(costs.curves) == [16] and costs.for_rows(1.0).points == ((4, 2.0), (8, 3.0))
+    for bad in ('{"curves": []}', '{"curves": [{"batch_size": 0, "points": []}]}', "[1, 2]"):
+        old.write_text(bad)
+        with pytest.raises(ValueError, match=r"cost curve|batch sizes"):
+            read_costs(old)
+
+
+def _advise_json(path: Path, capsys: Any) -> str:
+    assert main(["advise", str(path), "--json"]) == 0
+    return capsys.readouterr().out
 
 
 def _steps_of(path: Path, budget: int) -> int:

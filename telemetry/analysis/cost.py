@@ -1,0 +1,157 @@
+"""Step-time cost curves: ms per step against the tree budget, one curve per batch size (rows per step).
+
+`ddtree bench --cost-curve FILE` measures them (with `--batch-sizes`, at several row counts) and `ddtree advise`
+reads them. A larger tree never costs less, so a curve's times are made non-decreasing in the budget (isotonic
+regression) and interpolated linearly between budgets; below the smallest measured budget the time is that
+budget's, beyond the largest it grows along the last segment. `ar` (no tree) is kept beside each curve: the
+step time every tree has to beat at that load.
+
+The file (`FORMAT`):
+
+    {"format": "ddtree.cost/2",
+     "curves": [{"batch_size": 1, "ar_step_ms": 1.5, "points": [{"budget": 4, "step_ms": 1.9}, ...]}, ...]}
+
+A file of the first format, `{"batch_size": B, "points": [...]}`, reads as one curve at batch size B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from telemetry.analysis.steps import ConfigStats
+
+FORMAT = "ddtree.cost/2"
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    points: tuple[tuple[int, float], ...]  # (budget, ms per step), sorted by budget, two or more budgets
+    source: str
+
+    def step_ms(self, budget: int) -> float:
+        pts = self.points
+        if budget <= pts[0][0]:
+            return pts[0][1]
+        i = 1
+        while i < len(pts) - 1 and pts[i][0] < budget:
+            i += 1
+        (b0, m0), (b1, m1) = pts[i - 1], pts[i]
+        return m0 + (m1 - m0) * (budget - b0) / (b1 - b0)
+
+
+def cost_curve(points: list[tuple[int, float]], source: str) -> CostCurve:
+    """A curve through `points` (several points at one budget are averaged)."""
+    by_budget: dict[int, list[float]] = {}
+    for budget, ms in points:
+        if budget < 1 or not ms > 0:
+            raise ValueError(f"a cost point needs a budget >= 1 and a positive step time, got ({budget}, {ms})")
+        by_budget.setdefault(budget, []).append(ms)
+    if len(by_budget) < 2:
+        raise ValueError(f"a cost curve needs step times at two or more budgets; {source} has {len(by_budget)}")
+    budgets = sorted(by_budget)
+    times = non_decreasing([sum(by_budget[b]) / len(by_budget[b]) for b in budgets])
+    return CostCurve(tuple(zip(budgets, times, strict=True)), source)
+
+
+def non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[tuple[float, int]] = []  # (mean, size)
+    for v in values:
+        blocks.append((v, 1))
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(), blocks.pop()
+            blocks.append(((m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2))
+    return [m for m, n in blocks for _ in range(n)]
+
+
+def cost_from_log(configs: list[ConfigStats]) -> CostCurve | None:
+    """The log's own curve: the mean steady step time of each ddtree budget that ran; None with fewer than two."""
+    points = [(g.budget, g.step_ms) for g in configs if g.method == "ddtree" and g.timed_steps and g.step_ms > 0]
+    if len({b for b, _ in points}) < 2:
+        return None
+    return cost_curve(points, "the log (steady steps)")
+
+
+@dataclass(frozen=True)
+class CostPoint:
+    """One measured row: `method` ar (budget None) or ddtree at `budget`, at `batch_size` rows per step."""
+
+    batch_size: int
+    method: str
+    budget: int | None
+    step_ms: float
+
+
+@dataclass(frozen=True)
+class CostFile:
+    """Curves by batch size, and ar's step time at each where it was measured."""
+
+    curves: dict[int, CostCurve]
+    ar_step_ms: dict[int, float]
+    source: str
+
+    def batch_for(self, rows: float) -> int:
+        """The measured batch size nearest to `rows` (on a log scale: 3 rows are nearer 4 than 1)."""
+        target = math.log(max(rows, 1.0))
+        return min(self.curves, key=lambda b: (abs(math.log(b) - target), b))
+
+    def for_rows(self, rows: float) -> CostCurve:
+        """The curve measured at the batch size nearest to `rows`."""
+        return self.curves[self.batch_for(rows)]
+
+
+def read_costs(path: Path) -> CostFile:
+    """A file written by `write_costs` (or one curve in the first format); ValueError for anything else."""
+    source = repr(str(path))
+    try:
+        data = json.loads(path.read_text())
+        raw = data["curves"] if "curves" in data else [{**data, "batch_size": data.get("batch_size", 1)}]
+        parsed = [
+            (
+                int(c["batch_size"]),
+                c.get("ar_step_ms"),
+                [(int(p["budget"]), float(p["step_ms"])) for p in c["points"]],
+            )
+            for c in raw
+        ]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{source} is not a cost curve ({exc!r})") from exc
+    if not parsed:
+        raise ValueError(f"{source} holds no cost curve")
+    curves, ar = {}, {}
+    for batch, ar_ms, points in parsed:
+        if batch < 1 or batch in curves:
+            raise ValueError(f"{source}: batch sizes must be distinct and >= 1, got {batch}")
+        curves[batch] = cost_curve(points, f"{source} at batch size {batch}")
+        if ar_ms is not None:
+            ar[batch] = float(ar_ms)
+    return CostFile(curves, ar, source)
+
+
+def read_cost(path: Path, rows: float = 1.0) -> CostCurve:
+    """The curve of `path` for `rows` rows per step (its only one, in a file of one batch size)."""
+    return read_costs(path).for_rows(rows)
+
+
+def write_costs(path: Path, points: list[CostPoint]) -> None:
+    """The file `read_costs` reads: ddtree's points grouped by batch size, ar's time beside them."""
+    curves = []
+    for batch in sorted({p.batch_size for p in points}):
+        here = [p for p in points if p.batch_size == batch]
+        ar = [p.step_ms for p in here if p.method == "ar"]
+        curve: dict[str, object] = {"batch_size": batch}
+        if ar:
+            curve["ar_step_ms"] = round(sum(ar) / len(ar), 4)
+        curve["points"] = [
+            {"budget": p.budget, "step_ms": round(p.step_ms, 4)} for p in here if p.method == "ddtree" and p.budget
+        ]
+        curves.append(curve)
+    path.write_text(json.dumps({"format": FORMAT, "curves": curves}, indent=2) + "\n")
+
+
+def write_cost(path: Path, points: list[tuple[int, float]], batch_size: int) -> None:
+    """One curve (ddtree's (budget, ms) points at `batch_size`), in the format `read_costs` reads."""
+    write_costs(path, [CostPoint(batch_size, "ddtree", b, ms) for b, ms in points])
