@@ -10,9 +10,11 @@ from typing import Final
 
 # Stages of one decode step, in order: the observer protocol's names (`ddtree.observer`), which the engine
 # calls its hooks with; the spans and the stage label below are named after them.
-from ddtree.observer import STAGE_ACCEPT, STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_VERIFY, STAGES
-
-__all__ = ["STAGES", "STAGE_ACCEPT", "STAGE_DRAFT", "STAGE_TREE_BUILD", "STAGE_VERIFY"]  # and every name below
+from ddtree.observer import STAGE_ACCEPT as STAGE_ACCEPT
+from ddtree.observer import STAGE_DRAFT as STAGE_DRAFT
+from ddtree.observer import STAGE_TREE_BUILD as STAGE_TREE_BUILD
+from ddtree.observer import STAGE_VERIFY as STAGE_VERIFY
+from ddtree.observer import STAGES as STAGES
 
 # Spans.
 SPAN_PREFIX: Final = "ddtree."

@@ -43,9 +43,15 @@ def use_cuda_graphs(mode: str, device: torch.device) -> bool:
     """`auto`: on for CUDA devices; `on`: required (an error elsewhere); `off`: never."""
     if mode not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}, got {mode!r}")
-    if mode == "on" and device.type != "cuda":
-        raise ValueError(f"CUDA graphs need a CUDA device; the target is on {device}")
+    if mode == "on":
+        require_cuda(device)
     return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def require_cuda(device: torch.device) -> None:
+    """ValueError unless `device` is a CUDA device: graphs capture CUDA kernels only."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; the target is on {device}")
 
 
 @dataclass

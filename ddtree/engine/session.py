@@ -27,7 +27,7 @@ import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step
-from ddtree.engine.graphs import GraphCache, StepRunner, Tensors, use_cuda_graphs
+from ddtree.engine.graphs import GraphCache, StepRunner, Tensors, require_cuda
 from ddtree.engine.probe import split_rows
 from ddtree.engine.proposers import make_proposer
 from ddtree.engine.readback import Readback, to_device
@@ -86,7 +86,8 @@ class DecodeSession:
     ) -> None:
         if slots < 1:
             raise ValueError(f"a session needs at least one slot, got {slots}")
-        use_cuda_graphs("on" if cuda_graphs else "off", target.device)  # on: a CUDA device, or ValueError
+        if cuda_graphs:
+            require_cuda(target.device)
         self.target = target
         self.shape = shape
         self.method = shape.method

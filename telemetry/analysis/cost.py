@@ -91,7 +91,6 @@ class CostFile:
 
     curves: dict[int, CostCurve]
     ar_step_ms: dict[int, float]
-    source: str
 
     def batch_for(self, rows: float) -> int:
         """The measured batch size nearest to `rows` (on a log scale: 3 rows are nearer 4 than 1)."""
@@ -128,12 +127,7 @@ def read_costs(path: Path) -> CostFile:
         curves[batch] = cost_curve(points, f"{source} at batch size {batch}")
         if ar_ms is not None:
             ar[batch] = float(ar_ms)
-    return CostFile(curves, ar, source)
-
-
-def read_cost(path: Path, rows: float = 1.0) -> CostCurve:
-    """The curve of `path` for `rows` rows per step (its only one, in a file of one batch size)."""
-    return read_costs(path).for_rows(rows)
+    return CostFile(curves, ar)
 
 
 def write_costs(path: Path, points: list[CostPoint]) -> None:
@@ -150,8 +144,3 @@ def write_costs(path: Path, points: list[CostPoint]) -> None:
         ]
         curves.append(curve)
     path.write_text(json.dumps({"format": FORMAT, "curves": curves}, indent=2) + "\n")
-
-
-def write_cost(path: Path, points: list[tuple[int, float]], batch_size: int) -> None:
-    """One curve (ddtree's (budget, ms) points at `batch_size`), in the format `read_costs` reads."""
-    write_costs(path, [CostPoint(batch_size, "ddtree", b, ms) for b, ms in points])

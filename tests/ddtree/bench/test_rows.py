@@ -89,13 +89,13 @@ def test_bench_tree_build_times_the_torch_path_on_cpu(capsys: pytest.CaptureFixt
 
 
 def test_bench_writes_a_cost_curve_that_advise_reads(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    from telemetry.analysis.cost import read_cost
+    from telemetry.analysis.cost import read_costs
 
     target, drafter = tiny_dirs
     cost = tmp_path / "cost.json"
     argv = ["bench", "--model", str(target), "--drafter", str(drafter), "--methods", "ar,ddtree", "--budgets", "2,16"]
     assert main([*argv, "--limit", "2", "--max-new-tokens", "4", "--cost-curve", str(cost)]) == 0
-    curve = read_cost(cost)
+    curve = read_costs(cost).for_rows(1)
     assert [b for b, _ in curve.points] == [2, 16] and all(ms > 0 for _, ms in curve.points)
     (only,) = json.loads(cost.read_text())["curves"]
     assert only["batch_size"] == 1 and only["ar_step_ms"] > 0

@@ -17,7 +17,7 @@ from ddtree.cli.main import main
 from ddtree.engine.engine import Engine, GenerationConfig
 from telemetry import semconv as sc
 from telemetry.analysis.advise import REFUSE_BELOW, WARN_BELOW
-from telemetry.analysis.cost import write_cost
+from telemetry.analysis.cost import CostPoint, write_costs
 from telemetry.analysis.digest import Digest
 from telemetry.analysis.steps import iter_records
 from telemetry.collector import Collector
@@ -106,7 +106,7 @@ def test_advise_compares_the_steady_steps_own_tokens_per_second(
     logged budget agree: both leave the warm-up out."""
     lines = _with_warmup(run[0])
     cost = tmp_path / "cost.json"
-    write_cost(cost, [(b, _steady(lines, b)[0]) for b in BUDGETS], batch_size=len(IDS))
+    write_costs(cost, [CostPoint(len(IDS), "ddtree", b, _steady(lines, b)[0]) for b in BUDGETS])
     assert main(["advise", str(_write(tmp_path, lines)), "--cost", str(cost), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     measured = {m["budget"]: m for m in result["measured"]}

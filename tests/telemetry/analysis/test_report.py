@@ -23,9 +23,7 @@ from telemetry.analysis.cost import (
     CostPoint,
     cost_curve,
     non_decreasing,
-    read_cost,
     read_costs,
-    write_cost,
     write_costs,
 )
 from telemetry.analysis.digest import Digest
@@ -162,8 +160,8 @@ def test_advise_with_a_cost_file_and_its_errors(
 ) -> None:
     path = logged[0]
     cost = tmp_path / "cost.json"
-    write_cost(cost, [(1, 1.0), (16, 1.0)], batch_size=4)  # flat: the largest tau wins
-    assert read_cost(cost).step_ms(8) == pytest.approx(1.0)
+    write_costs(cost, [CostPoint(4, "ddtree", b, 1.0) for b in (1, 16)])  # flat: the largest tau wins
+    assert read_costs(cost).for_rows(4).step_ms(8) == pytest.approx(1.0)
     assert main(["advise", str(path), "--cost", str(cost), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     best_tau = max(c["predicted_tau"] for c in result["configs"] if c["exact_share"] >= 0.9)
