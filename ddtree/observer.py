@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from ddtree.accept import AcceptResult
+    from ddtree.methods import TreeShape
     from ddtree.tree import DraftTree
 
 # The stages of a step, in order: the names the hooks are called with. `telemetry.semconv` names its spans and
@@ -31,7 +32,7 @@ class GenerateInfo:
     for its whole batch; a server sends one as requests join (with their slots) while others decode."""
 
     method: str
-    budget: int
+    budget: int | None  # None: it follows the load (`on_step_start` names each step's shape)
     topk: int | None
     temperature: float
     max_new_tokens: int
@@ -90,9 +91,10 @@ class StepObserver(Protocol):
     def on_generate_start(self, info: GenerateInfo) -> None:
         """A batch of requests begins (before prefill)."""
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         """A decode step begins over `batch_size` rows; with `warmup`, it will compile or capture graphs
-        (the first step of a shape), so its times are not what the shape's steps cost."""
+        (the first step of a shape), so its times are not what the shape's steps cost. `shape`: the tree it
+        verifies, where the loop knows it (a session whose budget follows the load changes it between steps)."""
 
     def on_stage_start(self, stage: str) -> None:
         """A stage (`STAGES`) begins: right after the step began or the previous stage
@@ -132,7 +134,7 @@ class NoopObserver:
     def on_generate_start(self, info: GenerateInfo) -> None:
         pass
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         pass
 
     def on_stage_start(self, stage: str) -> None:

@@ -8,6 +8,7 @@ means anything. Exit status 0 only when every mutant is killed.
     python scripts/mutants.py            # all of them
     python scripts/mutants.py --list     # names and what each breaks
     python scripts/mutants.py --only sampling-temperature-twice --only kv-keys-not-compacted
+    python scripts/mutants.py --check    # only that every edit still applies (each old text occurs once)
 """
 
 from __future__ import annotations
@@ -348,6 +349,17 @@ def _copy_project(dest: Path) -> None:
             shutil.copy2(source, dest / name)
 
 
+def stale_edits(project: Path, mutants: list[Mutant]) -> list[str]:
+    """One line per edit whose old text does not occur exactly once in its file (the code moved on)."""
+    stale = []
+    for mutant in mutants:
+        text = (project / mutant.path).read_text()
+        for old, _ in mutant.edits:
+            if text.count(old) != 1:
+                stale.append(f"{mutant.name}: {old!r} occurs {text.count(old)} times in {mutant.path}, not once")
+    return stale
+
+
 def _apply(project: Path, mutant: Mutant) -> None:
     path = project / mutant.path
     text = path.read_text()
@@ -411,8 +423,13 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    parser.add_argument("--check", action="store_true", help="only check that every edit applies, run nothing")
     args = parser.parse_args()
     mutants = _mutants()
+    if args.check:
+        stale = stale_edits(ROOT, mutants)
+        print("\n".join(stale) or f"all {len(mutants)} mutants apply")
+        return 1 if stale else 0
     if args.list:
         for m in mutants:
             print(f"{m.name:<40} {m.path:<28} {m.what}")

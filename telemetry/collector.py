@@ -43,7 +43,12 @@ from telemetry.timing import StageClock, clock_for
 
 if TYPE_CHECKING:
     from ddtree.accept import AcceptResult
+    from ddtree.methods import TreeShape
     from ddtree.tree import DraftTree
+
+
+def key_of(shape: TreeShape) -> tuple[str, int | None, int | None]:
+    return shape.method, shape.budget, shape.topk
 
 
 @dataclass
@@ -119,12 +124,13 @@ class Collector:
         slot it joined with."""
         self.slot_ids = list(request_ids)
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         if len(self.pending) >= self.drain_at:
             self._drain()
         slots = self._slots(batch_size)
+        info = self._step_info(shape)
         self.current = _Pending(
-            step=step, info=self.info, wall_ns=time.time_ns(), marks=[], slot_ids=slots, rows=batch_size, warmup=warmup
+            step=step, info=info, wall_ns=time.time_ns(), marks=[], slot_ids=slots, rows=batch_size, warmup=warmup
         )
         self.started[step] = self.current
         self.boundary = None  # stamped: no mark unless a stage hook comes (the step runs eagerly)
@@ -132,6 +138,14 @@ class Collector:
             self.clock.begin_step()
             self.current.marks.append(self.clock.mark())
             self.boundary = 0
+
+    def _step_info(self, shape: TreeShape | None) -> GenerateInfo | None:
+        """The settings a step ran with: the requests', with the tree the step verified where it was named (a
+        session whose budget follows the load)."""
+        info = self.info
+        if info is None or shape is None or (info.method, info.budget, info.topk) == key_of(shape):
+            return info
+        return replace(info, method=shape.method, budget=shape.budget, topk=shape.topk)
 
     def on_stage_start(self, stage: str) -> None:
         assert self.current is not None

@@ -25,6 +25,7 @@ from ddtree.methods import TreeShape, get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.observer import NOOP, StepObserver
+from ddtree.schedule import BudgetSchedule, ShapeSchedule
 
 KEPT_SESSIONS = 4  # sessions kept for reuse, least recently used dropped first
 
@@ -38,6 +39,7 @@ class GenerationConfig:
     seed: int = 0  # request i of a batch samples with seed + i
     max_new_tokens: int = 128
     eos_token_ids: tuple[int, ...] = ()
+    schedule: BudgetSchedule | None = None  # ddtree only: the tree follows the load (budget and topk unused)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ def check_generation(config: GenerationConfig) -> None:
         raise ValueError(f"budget must be >= 1, got {config.budget}")
     if config.topk is not None and config.topk < 1:
         raise ValueError(f"topk must be >= 1, got {config.topk}")
+    if config.schedule is not None and config.method != "ddtree":
+        raise ValueError(f"a budget schedule chooses ddtree trees; method {config.method!r} has no budget to follow")
 
 
 class Engine:
@@ -85,7 +89,7 @@ class Engine:
             target.compile_layers()  # fewer kernels per layer; compiled on the eager first step of each shape
             if drafter is not None:
                 drafter.compile_layers()
-        self.sessions: OrderedDict[tuple[TreeShape, int], DecodeSession] = OrderedDict()
+        self.sessions: OrderedDict[tuple[ShapeSchedule, int], DecodeSession] = OrderedDict()
 
     def generate(
         self, prompts: list[list[int]], config: GenerationConfig, request_ids: list[str] | None = None
@@ -146,18 +150,26 @@ class Engine:
         return ModelDims.of(self.target.config, self.target.dtype, getattr(self.drafter, "config", None))
 
     def shape(self, config: GenerationConfig) -> TreeShape:
-        """The tree `config` verifies on this engine's drafter: resolved here once, and passed down."""
-        return self.dims.shape(config.method, config.budget, config.topk)
+        """The tree `config` verifies on this engine's drafter (with a schedule, the widest it can take):
+        resolved here once, and passed down."""
+        return self.shapes(config).widest
+
+    def shapes(self, config: GenerationConfig) -> ShapeSchedule:
+        """The trees `config` verifies, by active requests: one shape, or its schedule's."""
+        dims = self.dims
+        if config.schedule is None:
+            return ShapeSchedule.fixed(dims.shape(config.method, config.budget, config.topk))
+        return config.schedule.resolve(dims.shape)
 
     def session(self, config: GenerationConfig, slots: int, tokens: int) -> DecodeSession:
         """A free session for `slots` requests of up to `tokens` tokens each (prompt and new tokens).
         CapacityError, before anything is allocated, where that does not fit (`check_session`)."""
         check_generation(config)
         dims = self.dims
-        shape = dims.shape(config.method, config.budget, config.topk)
-        key = (shape, slots)
+        shapes = self.shapes(config)
+        key = (shapes, slots)
         session = self.sessions.get(key)
-        plan = plan_session(dims, shape, slots, tokens)
+        plan = plan_session(dims, shapes.widest, slots, tokens)
         check_context(dims, plan)
         if session is None or plan.needed > session.capacity:
             self.sessions.pop(key, None)
@@ -168,7 +180,7 @@ class Engine:
             session = DecodeSession(
                 self.target,
                 self.drafter,
-                shape,
+                shapes if shapes.switching else shapes.widest,
                 slots,
                 plan.capacity,
                 self.observer,

@@ -3,6 +3,8 @@
 - `ar`: no drafts; the tree is the root alone.
 - `dflash`: the drafter's top-1 token at each depth, a chain (a tree with budget=depth, topk=1).
 - `ddtree`: the `budget` most probable prefixes of the drafter's block.
+- `ar` steps of a session that drafts at other loads (`ddtree.schedule`): no drafts, but the drafter's cache
+  takes the context as it comes (`ContextOnly`), so a later tree step drafts from all of it.
 
 Proposers hold no per-request state: the session owns the drafter's cache and passes it in.
 """
@@ -88,6 +90,33 @@ class NoDraft:
         return ancestor_mask(tree)
 
 
+class ContextOnly(NoDraft):
+    """An `ar` step in a session that drafts in its other steps: the tree is the root alone, and the draft stage
+    commits the last step's accepted features to the drafter's cache, as a draft would before its block."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Target) -> None:
+        super().__init__(target.device)
+        self.drafter = drafter
+        self.target = target
+
+    def new_cache(self, slots: int, capacity: int) -> KVCache | None:
+        return self.drafter.new_cache(slots, capacity, self.target.dtype, self.target.device)
+
+    def draft(
+        self,
+        root: torch.Tensor,
+        context: torch.Tensor | None,
+        counts: torch.Tensor,
+        cache: KVCache | None,
+        span: int,
+        fused: bool,
+        attention: str = "sdpa",
+    ) -> torch.Tensor | None:
+        assert cache is not None and context is not None, "the target must emit features for the drafter"
+        self.drafter.append_context(context, counts, cache, fused)
+        return None
+
+
 class DrafterProposer:
     """A DFlash drafter and a tree shape: a chain (`dflash`) or the top-`budget` prefixes (`ddtree`)."""
 
@@ -157,11 +186,18 @@ def _tree_builder(
 
 
 def make_proposer(
-    shape: TreeShape, target: Target, drafter: DFlashDrafter | None, tree_kernel: str = "auto"
+    shape: TreeShape,
+    target: Target,
+    drafter: DFlashDrafter | None,
+    tree_kernel: str = "auto",
+    feeds_drafter: bool = False,
 ) -> Proposer:
-    """What proposes `shape`'s trees: nothing for `ar`, else the drafter with the shape's budget and top-k."""
-    if not shape.drafting:
+    """What proposes `shape`'s trees: nothing for `ar` (but the context, with `feeds_drafter`: a session that
+    drafts in other steps), else the drafter with the shape's budget and top-k."""
+    if not shape.drafting and not feeds_drafter:
         return NoDraft(target.device)
     if drafter is None:
         raise ValueError(f"method {shape.method!r} needs a drafter")
+    if not shape.drafting:
+        return ContextOnly(drafter, target)
     return DrafterProposer(drafter, target, budget=shape.budget, topk=shape.topk, tree_kernel=tree_kernel)

@@ -23,6 +23,7 @@ class Request:
 class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
+    budgets: list[int] = field(default_factory=list)  # per step: the tree's draft nodes (0: an ar step)
     finished: bool = False
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
 
@@ -84,6 +85,14 @@ def row_bucket(slots: list[Slot | None], num_slots: int) -> int:
     the lowest free slots), so few shapes cover every occupancy."""
     last = max((i for i, s in enumerate(slots) if decoding(s)), default=0)
     return min(num_slots, 1 << last.bit_length())
+
+
+def row_counts(num_slots: int) -> list[int]:
+    """Every value `row_bucket` can take: 1, 2, 4, ... and `num_slots`."""
+    counts = [1]
+    while counts[-1] < num_slots:
+        counts.append(min(num_slots, counts[-1] * 2))
+    return counts
 
 
 def round_up(n: int, bucket: int) -> int:

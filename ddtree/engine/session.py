@@ -29,7 +29,7 @@ from ddtree import observer as stages
 from ddtree.engine import step
 from ddtree.engine.graphs import GraphCache, StepRunner, Tensors, require_cuda
 from ddtree.engine.probe import split_rows
-from ddtree.engine.proposers import make_proposer
+from ddtree.engine.proposers import Proposer, make_proposer
 from ddtree.engine.readback import Readback, to_device
 from ddtree.engine.requests import (
     FirstTokens,
@@ -42,6 +42,7 @@ from ddtree.engine.requests import (
     emit,
     round_up,
     row_bucket,
+    row_counts,
 )
 from ddtree.engine.step import Rows, StepModels, StepState
 from ddtree.kernels.clock import stamps_available
@@ -51,6 +52,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.observer import NOOP, GenerateInfo, RequestResult, StepObserver
 from ddtree.sampling import choose_tokens
+from ddtree.schedule import ShapeSchedule
 
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
@@ -64,17 +66,21 @@ class _Launch:
     entries: list[Slot | None]  # the slots' occupants when it was launched
     state: StepState
     ticket: Any  # from `Readback.start`
+    shape: TreeShape  # the tree it verified
 
 
 class DecodeSession:
-    """`slots` requests decoded together with one tree shape (method, budget, top-k), in caches of `capacity`
-    tokens."""
+    """`slots` requests decoded together, in caches of `capacity` tokens, with one tree shape (method, budget,
+    top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its active requests, and the
+    caches and buffers are sized for the widest (`self.shape`). A tree step in a session whose schedule also
+    holds `ar` drafts from the whole context: its `ar` steps still feed the drafter the accepted tokens'
+    features (`ddtree.engine.proposers.ContextOnly`)."""
 
     def __init__(
         self,
         target: Target,
         drafter: DFlashDrafter | None,
-        shape: TreeShape,
+        shape: TreeShape | ShapeSchedule,
         slots: int,
         capacity: int,
         observer: StepObserver = NOOP,
@@ -89,9 +95,14 @@ class DecodeSession:
         if cuda_graphs:
             require_cuda(target.device)
         self.target = target
-        self.shape = shape
+        self.schedule = shape if isinstance(shape, ShapeSchedule) else ShapeSchedule.fixed(shape)
+        self.shape = shape = self.schedule.widest
         self.method = shape.method
-        self.proposer = make_proposer(shape, target, drafter, tree_kernel)
+        self.proposers = {
+            s: make_proposer(s, target, drafter, tree_kernel, feeds_drafter=shape.drafting)
+            for s in self.schedule.shapes
+        }
+        self.proposer = self.proposers[shape]  # the widest: the buffers' and the drafter cache's sizes
         self.attention = resolve_attention(attention, target.device, target.dtype)  # target and drafter: sdpa or triton
         self.observer = observer
         self.capacity = capacity
@@ -117,28 +128,32 @@ class DecodeSession:
         # step reads back a probe, stamped by the device when its graph is one that can stamp.
         self.probed = observer is not NOOP
         stamped = self.probed and cuda_graphs and stamps_available(device)
-        self.models = StepModels(target, self.proposer, self.fused, self.attention, self.probed)
-        m = self.models
-        self.runner: StepRunner[StepState] = StepRunner(
-            [
-                (stages.STAGE_DRAFT, partial(step.draft, m)),
-                (stages.STAGE_TREE_BUILD, partial(step.build, m)),
-                (stages.STAGE_VERIFY, partial(step.verify, m)),
-                (stages.STAGE_ACCEPT, partial(step.accept_step, m)),
-            ],
-            observer,
-            cuda_graphs,
-            finish=partial(step.finish, m),
-            stamped=stamped,
-            device=device,
-            after_stage=self._show_tree,
-        )
+        self.runners = {s: self._runner(self.proposers[s], stamped) for s in self.schedule.shapes}
+        self.runner = self.runners[shape]
+        self._forced: TreeShape | None = None  # warm-up runs each shape the schedule can take
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
         self._views: dict[int, Rows] = {}
         if self.probed:
             observer.on_session(stamped)
+
+    def _runner(self, proposer: Proposer, stamped: bool) -> StepRunner[StepState]:
+        m = StepModels(self.target, proposer, self.fused, self.attention, self.probed)
+        return StepRunner(
+            [
+                (stages.STAGE_DRAFT, partial(step.draft, m)),
+                (stages.STAGE_TREE_BUILD, partial(step.build, m)),
+                (stages.STAGE_VERIFY, partial(step.verify, m)),
+                (stages.STAGE_ACCEPT, partial(step.accept_step, m)),
+            ],
+            self.observer,
+            self.cuda_graphs,
+            finish=partial(step.finish, m),
+            stamped=stamped,
+            device=self.target.device,
+            after_stage=self._show_tree,
+        )
 
     @property
     def few_shapes(self) -> bool:
@@ -209,28 +224,35 @@ class DecodeSession:
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
         """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), greedy and sampled,
-        so that compiling and capturing happen now rather than in the first real requests' steps. The
-        observer sees none of it. Call it on an empty session."""
+        and with a schedule every shape it can take at that row count, so that compiling and capturing happen
+        now rather than in the first real requests' steps. The observer sees none of it. Call it on an empty
+        session."""
         if self.free_slots() != list(range(self.num_slots)):
             raise ValueError("warm_up needs an empty session")
         observer = self.observer
-        self.observer = self.runner.observer = NOOP
+        self._set_observer(NOOP)
         try:
             for temperature in (0.0, 1.0):
-                n = 1
-                while True:
-                    n = min(n, self.num_slots)
-                    slots = self.join([Request([0] * prompt_tokens, new_tokens, temperature) for _ in range(n)])
-                    while self.has_active():
-                        self.step()
-                    self.drain()
-                    for slot in slots:
-                        self.leave(slot)
-                    if n == self.num_slots:
-                        break
-                    n *= 2
+                for n in row_counts(self.num_slots):
+                    for shape in self.schedule.shapes_within(n):
+                        self._forced = shape
+                        self._run_dummies(n, prompt_tokens, new_tokens, temperature)
         finally:
-            self.observer = self.runner.observer = observer
+            self._forced = None
+            self._set_observer(observer)
+
+    def _set_observer(self, observer: StepObserver) -> None:
+        self.observer = observer
+        for runner in self.runners.values():
+            runner.observer = observer
+
+    def _run_dummies(self, n: int, prompt_tokens: int, new_tokens: int, temperature: float) -> None:
+        slots = self.join([Request([0] * prompt_tokens, new_tokens, temperature) for _ in range(n)])
+        while self.has_active():
+            self.step()
+        self.drain()
+        for slot in slots:
+            self.leave(slot)
 
     def leave(self, slot: int, reason: str = "cancelled") -> RequestOutput:
         """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
@@ -247,10 +269,11 @@ class DecodeSession:
 
     def _info(self, request: Request, slot: int) -> GenerateInfo:
         """What telemetry is told of a request that joins."""
+        fixed = not self.schedule.switching  # a switching session's budget is each step's (`on_step_start`)
         return GenerateInfo(
             method=self.method,
-            budget=self.shape.budget,
-            topk=self.shape.topk,
+            budget=self.shape.budget if fixed else None,
+            topk=self.shape.topk if fixed else None,
             temperature=request.temperature,
             max_new_tokens=request.max_new_tokens,
             seed=request.seed,
@@ -343,18 +366,20 @@ class DecodeSession:
         if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
+        shape = self._forced or self.schedule.shape_for(sum(decoding(s) for s in self.slots))
+        runner = self.runners[shape]
         key = (rows.n, span, sampled)
-        warmup = self.compiles_per_shape and self.runner.is_new(key)  # this step compiles or captures
-        self.observer.on_step_start(self.steps, rows.n, warmup)
-        state = self.runner.run(key, lambda: StepState(rows, span, sampled))
+        warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
+        self.observer.on_step_start(self.steps, rows.n, warmup, shape)
+        state = runner.run(key, lambda: StepState(rows, span, sampled))
         ticket = self._readback.start(state.out)
-        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket))
+        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape))
         self.steps += 1
 
     def _finish(self, launch: _Launch) -> list[int]:
         host = self._read(launch)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
-        emitted = self._commit(host, launch.entries)  # one entry per row of the step
+        emitted = self._commit(host, launch.entries, launch.shape.budget)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
 
@@ -391,7 +416,7 @@ class DecodeSession:
         if stage == stages.STAGE_TREE_BUILD:
             self.observer.on_tree(state.tree)
 
-    def _commit(self, host: list[list[int]], launched_with: list[Slot | None]) -> list[int]:
+    def _commit(self, host: list[list[int]], launched_with: list[Slot | None], budget: int) -> list[int]:
         """Give each slot that decoded in this step and still does its accepted drafts and bonus, after its
         prefill's token if that was still unread; return how many tokens each of the step's rows (the first
         slots) kept."""
@@ -406,6 +431,7 @@ class DecodeSession:
                 finished_now = True
                 continue
             entry.output.acceptance_lengths.append(n + 1)
+            entry.output.budgets.append(budget)
             before = len(entry.output.token_ids)
             emit(entry, [*row[2 : 2 + n], row[-1]])
             emitted[i] = len(entry.output.token_ids) - before

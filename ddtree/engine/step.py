@@ -33,7 +33,8 @@ class Rows:
 
     n: int
     root: torch.Tensor  # [n] the next tree's root token
-    context: torch.Tensor | None  # [n, width, features] target features of the last accepted path
+    context: torch.Tensor | None  # [n, width, features] target features of the last accepted path (the widest
+    # shape's width: a narrower step fills its first rows, and `counts` says how many are real)
     counts: torch.Tensor  # [n] real rows of `context`
     active: torch.Tensor  # [n] still decoding
     temperature: torch.Tensor  # [n]
@@ -99,7 +100,7 @@ def accept_step(m: StepModels, s: StepState) -> None:
     r.cache.compact(result.path, counts)
     if s.features is not None and r.context is not None:
         index = result.path[:, :, None].expand(-1, -1, s.features.shape[-1])
-        r.context.copy_(s.features.gather(1, index))
+        r.context[:, : index.shape[1]].copy_(s.features.gather(1, index))  # a narrower shape fills the first rows
     r.counts.copy_(counts)
     r.root.copy_(result.bonus)
     r.draw.add_(1)

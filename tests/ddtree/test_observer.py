@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.methods import TreeShape
 from ddtree.observer import NOOP, NoopObserver
 from telemetry import semconv
 from tests.helpers import random_prompts, tiny_pair
@@ -12,7 +13,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         self.calls.append(("step_start", step))
 
     def on_stage_start(self, stage: str) -> None:

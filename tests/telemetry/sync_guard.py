@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ddtree.methods import TreeShape
 from ddtree.observer import GenerateInfo, RequestResult, StepObserver, StepProbe
 
 # Tensor methods that read a tagged tensor's data into host memory without any dispatch on CPU.
@@ -217,9 +218,9 @@ class GuardedObserver:
         with self.guard.watch("on_generate_start"):
             self.inner.on_generate_start(info)
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         with self.guard.watch("on_step_start"):
-            self.inner.on_step_start(step, batch_size, warmup)
+            self.inner.on_step_start(step, batch_size, warmup, shape)
 
     def on_stage_start(self, stage: str) -> None:
         with self.guard.watch("on_stage_start"):

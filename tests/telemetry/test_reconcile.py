@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
+from ddtree.methods import TreeShape
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import Captured, captured_telemetry
@@ -36,9 +37,9 @@ class Tee:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         self.current = step
-        self.inner.on_step_start(step, batch_size, warmup)
+        self.inner.on_step_start(step, batch_size, warmup, shape)
 
     def on_tree(self, tree: Any) -> None:
         self.parents[self.current] = tree.parents.tolist()

@@ -9,6 +9,7 @@ import pytest
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
+from ddtree.methods import TreeShape
 from ddtree.observer import NoopObserver
 from tests.helpers import random_prompts, shape_of, tiny_pair
 
@@ -19,7 +20,7 @@ class Rows(NoopObserver):
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         self.rows.append(batch_size)
 
 
@@ -167,7 +168,7 @@ class Probes(NoopObserver):
     def on_session(self, stamped: bool) -> None:
         self.sessions.append(stamped)
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         self.current = step
 
     def on_tree(self, tree: Any) -> None:

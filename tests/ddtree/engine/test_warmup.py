@@ -10,6 +10,7 @@ import pytest
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.graphs import StepRunner
 from ddtree.engine.session import DecodeSession
+from ddtree.methods import TreeShape
 from ddtree.observer import NoopObserver
 from tests.helpers import random_prompts, tiny_pair
 
@@ -18,7 +19,7 @@ class StepStarts(NoopObserver):
     def __init__(self) -> None:
         self.starts: list[tuple[int, int, bool]] = []  # (step, rows, warmup)
 
-    def on_step_start(self, step: int, batch_size: int, warmup: bool = False) -> None:
+    def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
         self.starts.append((step, batch_size, warmup))
 
 
