@@ -8,17 +8,21 @@ step time every tree has to beat at that load.
 
 The file (`FORMAT`):
 
-    {"format": "ddtree.cost/2",
-     "curves": [{"batch_size": 1, "ar_step_ms": 1.5, "points": [{"budget": 4, "step_ms": 1.9}, ...]}, ...]}
+    {"format": "ddtree.cost/2", "temperature": 0.0,
+     "curves": [{"batch_size": 1, "ar_step_ms": 1.5, "points": [{"budget": 4, "step_ms": 1.9, "tau": 2.1}, ...]},
+                ...]}
 
-A file of the first format, `{"batch_size": B, "points": [...]}`, reads as one curve at batch size B.
+A point's `tau` is the acceptance length measured in the same run (absent where it was not measured): at T > 0,
+where replaying a log is not exact, the schedule (`telemetry.analysis.schedule`) uses it. `temperature` is the
+runs' sampling temperature (absent in older files). A file of the first format, `{"batch_size": B, "points":
+[...]}`, reads as one curve at batch size B.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from telemetry.analysis.steps import ConfigStats
@@ -83,14 +87,18 @@ class CostPoint:
     method: str
     budget: int | None
     step_ms: float
+    tau: float | None = None  # the run's mean acceptance length, where it was measured
 
 
 @dataclass(frozen=True)
 class CostFile:
-    """Curves by batch size, and ar's step time at each where it was measured."""
+    """Curves by batch size, ar's step time at each where it was measured, and the measured tau of each
+    budget at each batch size where the file has it."""
 
     curves: dict[int, CostCurve]
     ar_step_ms: dict[int, float]
+    tau: dict[int, dict[int, float]] = field(default_factory=dict)  # batch size -> budget -> tau
+    temperature: float | None = None  # None: not recorded
 
     def batch_for(self, rows: float) -> int:
         """The measured batch size nearest to `rows` (on a log scale: 3 rows are nearer 4 than 1)."""
@@ -113,25 +121,30 @@ def read_costs(path: Path) -> CostFile:
                 int(c["batch_size"]),
                 c.get("ar_step_ms"),
                 [(int(p["budget"]), float(p["step_ms"])) for p in c["points"]],
+                {int(p["budget"]): float(p["tau"]) for p in c["points"] if p.get("tau") is not None},
             )
             for c in raw
         ]
+        temperature = None if data.get("temperature") is None else float(data["temperature"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{source} is not a cost curve ({exc!r})") from exc
     if not parsed:
         raise ValueError(f"{source} holds no cost curve")
-    curves, ar = {}, {}
-    for batch, ar_ms, points in parsed:
+    curves, ar, taus = {}, {}, {}
+    for batch, ar_ms, points, tau in parsed:
         if batch < 1 or batch in curves:
             raise ValueError(f"{source}: batch sizes must be distinct and >= 1, got {batch}")
         curves[batch] = cost_curve(points, f"{source} at batch size {batch}")
         if ar_ms is not None:
             ar[batch] = float(ar_ms)
-    return CostFile(curves, ar)
+        if tau:
+            taus[batch] = tau
+    return CostFile(curves, ar, taus, temperature)
 
 
-def write_costs(path: Path, points: list[CostPoint]) -> None:
-    """The file `read_costs` reads: ddtree's points grouped by batch size, ar's time beside them."""
+def write_costs(path: Path, points: list[CostPoint], temperature: float = 0.0) -> None:
+    """The file `read_costs` reads: ddtree's points grouped by batch size, ar's time beside them, measured at
+    `temperature`."""
     curves = []
     for batch in sorted({p.batch_size for p in points}):
         here = [p for p in points if p.batch_size == batch]
@@ -139,8 +152,14 @@ def write_costs(path: Path, points: list[CostPoint]) -> None:
         curve: dict[str, object] = {"batch_size": batch}
         if ar:
             curve["ar_step_ms"] = round(sum(ar) / len(ar), 4)
-        curve["points"] = [
-            {"budget": p.budget, "step_ms": round(p.step_ms, 4)} for p in here if p.method == "ddtree" and p.budget
-        ]
+        curve["points"] = [_point(p) for p in here if p.method == "ddtree" and p.budget]
         curves.append(curve)
-    path.write_text(json.dumps({"format": FORMAT, "curves": curves}, indent=2) + "\n")
+    data = {"format": FORMAT, "temperature": temperature, "curves": curves}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _point(p: CostPoint) -> dict[str, object]:
+    point: dict[str, object] = {"budget": p.budget, "step_ms": round(p.step_ms, 4)}
+    if p.tau is not None:
+        point["tau"] = round(p.tau, 4)
+    return point
