@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from ddtree.engine.capacity import ModelDims, check_session, plan_session
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.errors import UserError
 from ddtree.methods import get_method
+from ddtree.models.cache import ddtree_home
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter, default_target
 from ddtree.models.dflash import DFlashDrafter, read_drafter_config
 from ddtree.models.pair import load_models, resolve_device, resolve_dtype
 from ddtree.models.target import Target, read_target_config
 from ddtree.observer import NOOP, StepObserver
+from ddtree.schedule import BudgetSchedule, read_schedule
 from telemetry import TelemetryConfig, start_telemetry
 
 
@@ -115,8 +122,51 @@ def check_capacity(
     device = resolve_device(options.device)
     drafter = read_drafter_config(drafter_dir) if drafter_dir is not None else None
     dims = ModelDims.of(read_target_config(model), resolve_dtype(options.dtype, device), drafter)
-    shape = dims.shape(config.method, config.budget, config.topk)
+    shape = (
+        dims.shape(config.method, config.budget, config.topk)
+        if config.schedule is None
+        else config.schedule.resolve(dims.shape).widest
+    )
     check_session(dims, plan_session(dims, shape, slots, tokens), device)
+
+
+def pair_identity(model: str, drafter: str | None, target: Target) -> dict[str, str]:
+    """What a budget schedule is tuned for: the pair's names, the device's model and the dtype."""
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {
+        "model": Path(model).name,
+        "drafter": Path(drafter).name if drafter else "",
+        "device": name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
+
+
+def schedule_path(identity: dict[str, str]) -> Path:
+    """Where `ddtree tune` writes the schedule for `identity` and `serve --budget auto` looks for it:
+    `$DDTREE_HOME/schedules/<model>-<hash of the identity>.json`."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    return ddtree_home() / "schedules" / f"{identity['model']}-{digest}.json"
+
+
+def load_schedule(path: str | Path) -> BudgetSchedule:
+    """A schedule file, or UserError naming it."""
+    try:
+        return read_schedule(Path(path))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def find_schedule(identity: dict[str, str]) -> tuple[BudgetSchedule | None, str]:
+    """The schedule tuned for `identity`, or None and why there is none."""
+    path = schedule_path(identity)
+    if not path.is_file():
+        return None, f"no budget schedule for {identity['model']} on {identity['device']} ({identity['dtype']})"
+    schedule = load_schedule(path)
+    mismatch = schedule.mismatch(identity)
+    if mismatch is not None:
+        return None, f"the schedule {path} was tuned for {mismatch}"
+    return schedule, str(path)
 
 
 def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:

@@ -17,9 +17,12 @@ if TYPE_CHECKING:
     from ddtree.server.model import ServerSettings
 
 API_KEY_ENV = "DDTREE_API_KEY"
+AUTO = "auto"
+FIXED_BUDGET = 32  # what `--budget auto` serves where it finds no schedule
 EXAMPLES = (
     "ddtree serve  # the default pair on 127.0.0.1:8000",
     "ddtree serve --model TARGET --drafter DRAFTER --budget 16 --host 0.0.0.0 --max-batch-size 16",
+    "ddtree tune && ddtree serve --budget auto  # the budget follows the load, as tuned on this device",
     "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\",
     """    -d '{"prompt": "Hello", "max_tokens": 32}'""",
 )
@@ -33,7 +36,16 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int_flag(0, 65535), default=8000, help="port to listen on (0: any free port)")
     model_args(serve)
     serve.add_argument("--method", choices=METHOD_NAMES, default="ddtree", help="decoding method of every request")
-    serve.add_argument("--budget", type=POSITIVE, default=32, help="draft tree nodes per step (ddtree)")
+    serve.add_argument(
+        "--budget",
+        type=_budget,
+        default=32,
+        help="draft tree nodes per step (ddtree), or 'auto': per step, what `ddtree tune` chose for the number of "
+        "requests decoding (falls back to 32, saying so, where this pair and device have no schedule)",
+    )
+    serve.add_argument(
+        "--budget-schedule", metavar="FILE", help="follow this schedule (from `ddtree tune --out`); implies auto"
+    )
     serve.add_argument(
         "--topk", type=POSITIVE, default=None, help="candidates per depth (default: min(budget, vocabulary))"
     )
@@ -59,6 +71,10 @@ def add_parser(sub: Any) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _budget(text: str) -> int | str:
+    return AUTO if text == AUTO else POSITIVE(text)
+
+
 def _connection_args(serve: argparse.ArgumentParser) -> None:
     """What a client may hold: the server's timeouts and limits against slow or hostile connections."""
     seconds = float_flag(0, above=True)
@@ -79,8 +95,10 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         drafter=args.drafter,
         method=args.method,
-        budget=args.budget,
+        budget=FIXED_BUDGET if args.budget == AUTO else args.budget,
         topk=args.topk,
+        auto_budget=args.budget == AUTO or args.budget_schedule is not None,
+        budget_schedule=args.budget_schedule,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
@@ -110,11 +128,12 @@ def _check_serve_capacity(settings: ServerSettings) -> None:
     configs against the model's context length and the device's memory."""
     from ddtree.engine.engine import GenerationConfig
     from ddtree.models.target import read_target_config
-    from ddtree.runtime import check_capacity, resolve_paths
+    from ddtree.runtime import check_capacity, load_schedule, resolve_paths
     from ddtree.server.model import DEFAULT_MAX_MODEL_LEN
 
     model, drafter = resolve_paths(settings.model, settings.drafter, settings.method)
     limit = getattr(read_target_config(model), "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     tokens = min(settings.max_model_len or DEFAULT_MAX_MODEL_LEN, int(limit))  # over the limit: load_model says so
-    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk)
+    schedule = load_schedule(settings.budget_schedule) if settings.budget_schedule else None
+    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk, schedule=schedule)
     check_capacity(model, drafter, generation, settings.max_batch_size, tokens, settings.options)

@@ -271,7 +271,10 @@ async def _events(state: ServerState, path: str, generation: Generation, reply: 
 def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int], dict[str, Any]]:
     model = state.model
     usage = usage_block(generation.prompt_tokens, generation.completion_tokens)
-    ddtree = ddtree_block(model.generation.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths)
+    budgets = generation.step_budgets if model.schedule is not None else None
+    ddtree = ddtree_block(
+        model.generation.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths, budgets
+    )
     return usage, ddtree
 
 

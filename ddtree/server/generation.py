@@ -43,6 +43,7 @@ class Generation:
         self._pending: Update | None = None
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
+        self.step_budgets: list[int] = []
         self.finish_reason: str | None = None
 
     @property
@@ -101,6 +102,7 @@ class Generation:
             self.first_token_at = time.perf_counter()
             self._on_first_token(self.first_token_at - self._started)
         self.acceptance_lengths += update.acceptance_lengths
+        self.step_budgets += update.budgets
         text = self._text.feed(update.token_ids)
         if self._text.stopped:
             self.finish_reason = "stop"

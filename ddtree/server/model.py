@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,16 @@ from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.models.chat import eos_ids
-from ddtree.runtime import EngineOptions, GenerateRequest, check_request, resolve_paths
+from ddtree.runtime import (
+    EngineOptions,
+    GenerateRequest,
+    check_request,
+    find_schedule,
+    load_schedule,
+    pair_identity,
+    resolve_paths,
+)
+from ddtree.schedule import BudgetSchedule
 from ddtree.server.connections import connection_budget, descriptors_needed, fd_limit
 from telemetry import TelemetryConfig, start_telemetry
 
@@ -22,8 +32,10 @@ class ServerSettings:
     model: str | None = None  # None: the default pair (pulled on first use)
     drafter: str | None = None
     method: str = "ddtree"
-    budget: int = 32
+    budget: int = 32  # the fixed budget: without auto_budget, and where auto finds no schedule
     topk: int | None = None
+    auto_budget: bool = False  # follow the schedule `ddtree tune` wrote for this pair and device
+    budget_schedule: str | None = None  # follow this schedule file (implies auto_budget)
     max_batch_size: int = 8  # the session's slots: requests decoded together
     max_queue: int = 64  # requests waiting for a slot; one more gets 429
     max_model_len: int | None = None  # prompt + new tokens; None: DEFAULT_MAX_MODEL_LEN capped by the model
@@ -44,6 +56,10 @@ def check_settings(settings: ServerSettings) -> None:
     """Check what can be checked before anything loads (UserError, in the words of the flags)."""
     check_request(_generate_request(settings))
     settings.options.check()
+    if (settings.auto_budget or settings.budget_schedule) and settings.method != "ddtree":
+        raise UserError(f"--budget auto chooses ddtree trees; it needs --method ddtree, not {settings.method}")
+    if settings.budget_schedule is not None:
+        load_schedule(settings.budget_schedule)  # it exists and parses
     for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
@@ -92,8 +108,9 @@ class ServedModel:
     generation: GenerationConfig  # method, budget, top-k and end-of-sequence ids of every request
     max_model_len: int
     vocab_size: int
-    tree_budget: int  # the budget and top-k the engine verifies (`Engine.shape`)
+    tree_budget: int  # the budget and top-k the engine verifies (`Engine.shape`; with a schedule, the widest)
     tree_topk: int | None
+    schedule: BudgetSchedule | None = None  # the budget follows the load (`--budget auto`)
     telemetry: Any = field(default_factory=lambda: start_telemetry(TelemetryConfig()))  # the off one by default
 
     def new_session(self, slots: int) -> DecodeSession:
@@ -122,8 +139,13 @@ def load_model(settings: ServerSettings) -> ServedModel:
         detokenize=lambda ids: str(tokenizer.decode(ids)),
     )
     engine = settings.options.engine(target, drafter, telemetry.observer)
+    schedule = _schedule(settings, pair_identity(model, drafter_dir, target)) if settings.method == "ddtree" else None
     generation = GenerationConfig(
-        method=settings.method, budget=settings.budget, topk=settings.topk, eos_token_ids=eos_ids(tokenizer, target)
+        method=settings.method,
+        budget=settings.budget,
+        topk=settings.topk,
+        eos_token_ids=eos_ids(tokenizer, target),
+        schedule=schedule,
     )
     shape = engine.shape(generation)
     budget, topk = shape.budget, shape.topk
@@ -138,8 +160,30 @@ def load_model(settings: ServerSettings) -> ServedModel:
         vocab_size=vocab_size,
         tree_budget=budget,
         tree_topk=topk,
+        schedule=schedule,
         telemetry=telemetry,
     )
+
+
+def _schedule(settings: ServerSettings, identity: dict[str, str]) -> BudgetSchedule | None:
+    """The schedule to follow: the file given, or the one tuned for this pair and device; where `auto` finds
+    none, one line on stderr says so and the fixed budget serves."""
+    if settings.budget_schedule is not None:
+        given = load_schedule(settings.budget_schedule)
+        mismatch = given.mismatch(identity)
+        if mismatch is not None:
+            print(f"ddtree serve: the budget schedule was tuned for {mismatch}; following it as asked", file=sys.stderr)
+        return given
+    if not settings.auto_budget:
+        return None
+    schedule, found = find_schedule(identity)
+    if schedule is None:
+        print(
+            f"ddtree serve: --budget auto: {found} (`ddtree tune` makes one); serving the fixed budget "
+            f"{settings.budget}",
+            file=sys.stderr,
+        )
+    return schedule
 
 
 def _server_telemetry(config: TelemetryConfig) -> TelemetryConfig:

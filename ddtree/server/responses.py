@@ -5,7 +5,9 @@ Every whole response carries `usage` and a `ddtree` block:
 `topk` are what the engine verifies (`Method.shape`: `ar` 0 and null, `dflash` the drafter's depth
 and 1). `steps` counts decode steps (the prefill's first token is not a step). `acceptance_histogram` is a
 list whose entry i counts the steps that accepted i + 1 tokens (accepted drafts + the bonus), up to the
-longest seen; `mean_acceptance_length` is null when there were no steps.
+longest seen; `mean_acceptance_length` is null when there were no steps. Under `--budget auto` the budget
+follows the load: `budget` is `"auto"`, `topk` null, and `step_budgets` lists each step's draft nodes (0: an
+`ar` step).
 
 Streams: text chunks, then a chunk with the finish reason; with `stream_options.include_usage` one more
 chunk with empty `choices` and `usage` (as OpenAI). The `ddtree` block rides on the last chunk before
@@ -21,20 +23,27 @@ from typing import Any
 from ddtree.methods import mean_acceptance_length
 
 DONE = "data: [DONE]\n\n"
+AUTO = "auto"  # the budget of a server whose budget follows the load
 
 
-def ddtree_block(method: str, budget: int, topk: int | None, lengths: list[int]) -> dict[str, Any]:
+def ddtree_block(
+    method: str, budget: int, topk: int | None, lengths: list[int], step_budgets: list[int] | None = None
+) -> dict[str, Any]:
+    """The block; `step_budgets` (each step's budget) where the budget follows the load."""
     histogram = [0] * max(lengths, default=0)
     for length in lengths:
         histogram[length - 1] += 1
-    return {
+    block: dict[str, Any] = {
         "method": method,
-        "budget": budget,
-        "topk": topk,
+        "budget": budget if step_budgets is None else AUTO,
+        "topk": topk if step_budgets is None else None,
         "steps": len(lengths),
         "mean_acceptance_length": mean_acceptance_length(lengths),
         "acceptance_histogram": histogram,
     }
+    if step_budgets is not None:
+        block["step_budgets"] = step_budgets
+    return block
 
 
 def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -109,7 +109,9 @@ def startup_line(model: ServedModel, url: str) -> str:
     http://127.0.0.1:8000 (OpenAI API under /v1)`: the budget and top-k the engine verifies, where drafting."""
     target = model.engine.target
     method = f"method {model.generation.method}"
-    if model.tree_budget:
+    if model.schedule is not None:
+        method += ", budget auto (" + ", ".join(f"{c.batch_size} rows: {c.label}" for c in model.schedule.choices) + ")"
+    elif model.tree_budget:
         method += f", budget {model.tree_budget}, top-k {model.tree_topk or 'none'}"
     dtype = str(target.dtype).removeprefix("torch.")
     graphs = "on" if model.engine.cuda_graphs else "off"

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
@@ -47,6 +47,7 @@ class Update:
 
     token_ids: list[int]
     acceptance_lengths: list[int]  # per decode step: accepted drafts + 1
+    budgets: list[int] = field(default_factory=list)  # per decode step: the tree's draft nodes
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
     error: str | None = None  # the request failed; nothing follows
 
@@ -226,13 +227,14 @@ class DecodeWorker:
         for slot, run in list(self._running.items()):
             out = session.output(slot)
             tokens, lengths = out.token_ids[run.tokens :], out.acceptance_lengths[run.steps :]
+            budgets = out.budgets[run.steps :]
             run.tokens, run.steps = len(out.token_ids), len(out.acceptance_lengths)
             if out.finished:
                 session.leave(slot)
                 self._forget(slot)
-                _send(run.job, Update(tokens, lengths, finish_reason=out.finish_reason or "length"))
+                _send(run.job, Update(tokens, lengths, budgets, finish_reason=out.finish_reason or "length"))
             elif tokens or lengths:
-                _send(run.job, Update(tokens, lengths))
+                _send(run.job, Update(tokens, lengths, budgets))
 
     def _forget(self, slot: int) -> None:
         with self._cond:

@@ -19,6 +19,10 @@ from ddtree.cli.main import main
         (["--api-key", " "], "--api-key must not be empty"),
         (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1, got 0"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+        (["--budget", "0"], "--budget must be >= 1"),
+        (["--budget", "many"], "--budget"),
+        (["--budget", "auto", "--method", "ar"], "--budget auto chooses ddtree trees; it needs --method ddtree"),
+        (["--budget-schedule", "/nonexistent/schedule.json"], "cannot read the schedule"),
     ],
 )
 def test_bad_serve_flags_exit_2_with_one_line(
