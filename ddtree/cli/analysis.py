@@ -8,10 +8,15 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ddtree.cli.common import add_command, deprecated
 from ddtree.errors import UserError
+
+if TYPE_CHECKING:
+    from telemetry.analysis.cost import CostFile
+    from telemetry.analysis.digest import Digest
+    from telemetry.analysis.schedule import Plan
 
 # Names shared with the other subcommands: `--out` is where a command writes (here the report's directory),
 # `--json` prints JSON on stdout, and `--cost-curve FILE` is the file `ddtree bench --cost-curve` writes
@@ -45,6 +50,8 @@ def add_parsers(sub: Any) -> None:
             "ddtree advise run.jsonl",
             "ddtree bench --methods ddtree --budgets 1,4,16,64 --num-prompts 4 --cost-curve cost.json",
             "ddtree advise run.jsonl --cost-curve cost.json --json",
+            "ddtree bench --methods ar,ddtree --budgets 4,16,64 --batch-sizes 1,4,16,64 --cost-curve cost.json",
+            "ddtree advise run.jsonl --cost-curve cost.json --schedule schedule.json",
         ),
     )
     advise.add_argument("log", nargs="?", default="-", help=LOG_HELP)
@@ -55,6 +62,12 @@ def add_parsers(sub: Any) -> None:
         metavar="FILE",
         help="ms per step by budget, from `ddtree bench --cost-curve FILE` (default: the log's own)"
         + deprecated("--cost"),
+    )
+    advise.add_argument(
+        "--schedule",
+        metavar="OUT",
+        help="also plan a budget schedule (a choice per batch size of --cost-curve, which it needs) and write it"
+        " here, for `serve --budget-schedule OUT`",
     )
     advise.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     advise.set_defaults(func=_advise)
@@ -132,6 +145,8 @@ def _advise(args: argparse.Namespace) -> int:
     from telemetry.analysis.advise import advise, format_advice
     from telemetry.analysis.cost import read_costs
 
+    if args.schedule and not args.cost:
+        raise UserError("--schedule needs --cost-curve FILE: the step times of each budget at each batch size")
     try:
         cost = read_costs(Path(args.cost)) if args.cost else None
     except OSError as exc:
@@ -143,5 +158,32 @@ def _advise(args: argparse.Namespace) -> int:
         result = advise(digest, cost)
     except ValueError as exc:  # IncompleteLog among them: too few of the run's steps were logged
         raise UserError(str(exc)) from exc
-    print(json.dumps(result) if args.json else format_advice(result))
+    plan = _plan(cost, digest) if args.schedule and cost is not None else None
+    if args.json:
+        print(json.dumps(result if plan is None else {**result, "schedule": plan.to_dict()}))
+    else:
+        print(format_advice(result))
+    if plan is not None:
+        _write_plan(args, plan)
     return 0
+
+
+def _plan(cost: CostFile, digest: Digest) -> Plan:
+    from telemetry.analysis.schedule import plan_schedule
+
+    try:
+        return plan_schedule(cost, digest)
+    except ValueError as exc:
+        raise UserError(f"--schedule: {exc}") from exc
+
+
+def _write_plan(args: argparse.Namespace, plan: Plan) -> None:
+    from ddtree.schedule import write_schedule
+
+    try:
+        write_schedule(Path(args.schedule), plan.schedule)
+    except OSError as exc:
+        raise UserError(f"cannot write --schedule {args.schedule!r}: {exc.strerror}") from exc
+    if not args.json:
+        print(plan.table())
+        print(f"wrote the schedule to {args.schedule}")
