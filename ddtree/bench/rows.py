@@ -5,11 +5,16 @@ requests. Speed is new tokens over wall time; `speedup` is the ratio to `ar` in 
 the only comparison these numbers support. The rows are interleaved: every row runs a batch of prompts
 before the next batch starts, the first row rotating from batch to batch, so that drift on a GPU (clocks,
 heat, what ran just before) hits every row alike instead of the rows run last.
+
+Every row decodes with one `Sampling`: greedy at temperature 0, else sampled, prompt i of the set seeded
+seed + i whatever batch it runs in. With a budget schedule, a row `auto` runs ddtree with its tree chosen each
+step from the schedule by the active requests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,13 +26,40 @@ from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
 from ddtree.errors import UserError
 from ddtree.methods import get_method, mean_acceptance_length, method_label
 from ddtree.models.target import Target
+from ddtree.schedule import BudgetSchedule
 
 HF_BASELINE = "hf"  # `--baseline hf`: HF transformers `generate`, greedy, static cache
+AUTO = "auto"  # the row of ddtree following a budget schedule
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every row decodes: greedy at `temperature` 0, else sampled, prompt i of the set with seed + i."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        """`temperature 0 (greedy), seed 0`, `temperature 0.7, seed 3`: as the bench's header says it."""
+        return f"temperature {self.temperature:g}{' (greedy)' if self.greedy else ''}, seed {self.seed}"
+
+
+GREEDY = Sampling()
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    method: str  # a method of `ddtree.methods`, or HF_BASELINE
+    method: str  # a method of `ddtree.methods`, HF_BASELINE, or AUTO (ddtree on a schedule, budget None)
     budget: int | None
     tau: float | None  # None for the HF baseline, which does not draft
     steps: int
@@ -49,7 +81,7 @@ class BenchRow:
 
 
 def row_label(method: str, budget: int | None) -> str:
-    """How the table names a row: `hf generate`, or the method's label (`ddtree B=32`)."""
+    """How the table names a row: `hf generate`, `auto`, or the method's label (`ddtree B=32`)."""
     return "hf generate" if method == HF_BASELINE else method_label(method, budget)
 
 
@@ -60,12 +92,13 @@ Progress = Callable[[int, int, str], None]  # after each batch run, warm-ups too
 
 @dataclass(frozen=True)
 class RowRunner:
-    """One row of the bench: `warm` runs a batch untimed, `timed` runs it once and says what it took."""
+    """One row of the bench: `warm` runs a batch untimed, `timed` runs it once and says what it took; both
+    are given the batch and the index of its first prompt in the set (which seeds its sampling)."""
 
     method: str
     budget: int | None
-    warm: Callable[[Prompts], object]
-    timed: Callable[[Prompts], BatchRun]
+    warm: Callable[[Prompts, int], object]
+    timed: Callable[[Prompts, int], BatchRun]
 
 
 @dataclass
@@ -119,16 +152,17 @@ def run_rows(
     the timings)."""
     if rounds < 1:
         raise UserError(f"rounds must be >= 1, got {rounds}")
-    warm_ups = [(r, b) for r in runners for b in (batches if device.type == "cuda" else batches[:1])]
+    firsts = [sum(len(b) for b in batches[:i]) for i in range(len(batches))]  # index of each batch's first prompt
+    warm_ups = [(r, i) for r in runners for i in range(len(batches) if device.type == "cuda" else min(1, len(batches)))]
     schedule = bench_schedule(len(batches), len(runners), rounds)
     total = len(warm_ups) + len(schedule)
     report = progress or (lambda done, total, label: None)
-    for done, (runner, batch) in enumerate(warm_ups, 1):
-        runner.warm(batch)
+    for done, (runner, index) in enumerate(warm_ups, 1):
+        runner.warm(batches[index], firsts[index])
         report(done, total, f"warm-up {row_label(runner.method, runner.budget)}")
     totals = [_Totals() for _ in runners]
     for done, (_, index, row) in enumerate(schedule, len(warm_ups) + 1):
-        totals[row].add(index, runners[row].timed(batches[index]))
+        totals[row].add(index, runners[row].timed(batches[index], firsts[index]))
         report(done, total, row_label(runners[row].method, runners[row].budget))
     return [t.row(r) for t, r in zip(totals, runners, strict=True)]
 
@@ -145,6 +179,8 @@ def run_bench(
     baseline: bool = False,
     continuous: bool = False,
     progress: Progress | None = None,
+    sampling: Sampling = GREEDY,
+    schedule: BudgetSchedule | None = None,
 ) -> list[BenchRow]:
     """One row per method (per budget for methods tuned by it), and HF generate's first with `baseline`, all
     on the same prompts and engine. The rows are interleaved per batch (`bench_schedule`), `rounds` times
@@ -154,9 +190,16 @@ def run_bench(
     `continuous`: our rows stream all the prompts through `batch_size` slots (`Engine.stream`, a request
     joining as soon as a slot frees, as in the server) instead of static batches, where every batch steps
     until its slowest request ends; HF generate, which has no such mode, keeps static batches. `progress`:
-    as `run_rows` takes it."""
-    runs = _runs(methods, budgets)
-    runners = [engine_runner(engine, m, b, max_new_tokens, eos, batch_size if continuous else None) for m, b in runs]
+    as `run_rows` takes it. `sampling`: how our rows decode; HF generate decodes greedily only (ValueError
+    with `baseline` at a temperature above 0). `schedule`: an `AUTO` row too, after the ddtree rows (or
+    last), whatever `methods` are."""
+    if baseline and not sampling.greedy:
+        raise ValueError(f"HF generate's row decodes greedily only; temperature must be 0, got {sampling.temperature}")
+    slots = batch_size if continuous else None
+    runners = [engine_runner(engine, m, b, max_new_tokens, eos, slots, sampling) for m, b in _runs(methods, budgets)]
+    if schedule is not None:
+        after = max((i + 1 for i, r in enumerate(runners) if r.method == "ddtree"), default=len(runners))
+        runners.insert(after, schedule_runner(engine, schedule, max_new_tokens, eos, slots, sampling))
     if baseline:  # warmed up last, so that HF compiles its forward after our graphs are captured
         runners.append(hf_runner(engine.target, max_new_tokens, eos, batch_size))
     size = len(encoded) if continuous else batch_size
@@ -179,27 +222,58 @@ def engine_runner(
     max_new_tokens: int,
     eos: tuple[int, ...],
     slots: int | None = None,
+    sampling: Sampling = GREEDY,
 ) -> RowRunner:
-    """A row of our engine, on a copy of `engine` with a session cache of its own: the engine keeps a few
-    sessions, and with rows interleaved a shared cache would drop a row's sessions (and their captured graphs)
-    between its batches. Its warm-up is the whole batch on CUDA, a short run elsewhere. `slots`: each batch
-    is streamed through that many slots (`Engine.stream`); None: it is decoded as one batch."""
-    engine = engine.sibling()
+    """A row of our engine: `method` at `budget` (ignored by methods not tuned by it), as `session_runner`
+    runs it."""
     config = GenerationConfig(method=method, budget=budget or 1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-    short = replace(config, max_new_tokens=min(8, max_new_tokens))
+    return session_runner(engine, method, budget, config, slots, sampling)
+
+
+def schedule_runner(
+    engine: Engine,
+    schedule: BudgetSchedule,
+    max_new_tokens: int,
+    eos: tuple[int, ...],
+    slots: int | None = None,
+    sampling: Sampling = GREEDY,
+) -> RowRunner:
+    """The `AUTO` row: ddtree with each step's tree chosen from `schedule` by the step's active requests."""
+    config = GenerationConfig(method="ddtree", max_new_tokens=max_new_tokens, eos_token_ids=eos, schedule=schedule)
+    return session_runner(engine, AUTO, None, config, slots, sampling)
+
+
+def session_runner(
+    engine: Engine,
+    method: str,
+    budget: int | None,
+    config: GenerationConfig,
+    slots: int | None = None,
+    sampling: Sampling = GREEDY,
+) -> RowRunner:
+    """A row (named `method`, `budget`) decoding with `config` at `sampling`, on a copy of `engine` with a
+    session cache of its own: the engine keeps a few sessions, and with rows interleaved a shared cache would
+    drop a row's sessions (and their captured graphs) between its batches. Its warm-up is the whole batch on
+    CUDA, a short run elsewhere. `slots`: each batch is streamed through that many slots (`Engine.stream`);
+    None: it is decoded as one batch. A batch whose first prompt is prompt `first` of the set seeds its
+    requests from `sampling.seed + first`."""
+    engine = engine.sibling()
+    config = replace(config, temperature=sampling.temperature, seed=sampling.seed)
+    short = replace(config, max_new_tokens=min(8, config.max_new_tokens))
     warm_config = config if engine.target.device.type == "cuda" else short
 
-    def run(batch: Prompts, run_config: GenerationConfig) -> GenerationResult:
+    def run(batch: Prompts, first: int, run_config: GenerationConfig) -> GenerationResult:
+        run_config = replace(run_config, seed=run_config.seed + first)
         return engine.generate(batch, run_config) if slots is None else engine.stream(batch, run_config, slots)
 
-    def timed(batch: Prompts) -> BatchRun:
+    def timed(batch: Prompts, first: int) -> BatchRun:
         _sync(engine.target.device)
-        result = run(batch, config)
+        result = run(batch, first, config)
         _sync(engine.target.device)
         lengths = [a for o in result.outputs for a in o.acceptance_lengths]
         return [tuple(o.token_ids) for o in result.outputs], result.steps, result.seconds, lengths
 
-    return RowRunner(method, budget, lambda batch: run(batch, warm_config), timed)
+    return RowRunner(method, budget, lambda batch, first: run(batch, first, warm_config), timed)
 
 
 def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...], batch_size: int | None = None) -> RowRunner:
@@ -216,10 +290,10 @@ def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...], batch_s
         size = batch_size or len(batch)
         return [batch[i : i + size] for i in range(0, len(batch), size)]
 
-    def generate(batch: Prompts) -> list[list[tuple[int, ...]]]:
+    def generate(batch: Prompts, first: int = 0) -> list[list[tuple[int, ...]]]:
         return [_hf_batch(model, chunk, max_new_tokens, eos, pad) for chunk in chunks(batch)]
 
-    def timed(batch: Prompts) -> BatchRun:
+    def timed(batch: Prompts, first: int) -> BatchRun:
         _sync(target.device)
         started = time.perf_counter()
         parts = generate(batch)
@@ -287,7 +361,8 @@ def format_rows(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
+def rows_json(rows: list[BenchRow], sampling: Sampling = GREEDY) -> list[dict[str, Any]]:
+    """The rows as `--out` writes them, each with the temperature and seed it decoded at."""
     return [
         {
             "method": r.method,
@@ -298,6 +373,8 @@ def rows_json(rows: list[BenchRow]) -> list[dict[str, Any]]:
             "seconds": round(r.seconds, 4),
             "tokens_per_second": round(r.tokens_per_second, 2),
             "ms_per_step": round(r.ms_per_step, 3),
+            "temperature": sampling.temperature,
+            "seed": sampling.seed,
             "token_ids": [list(t) for t in r.token_ids],
         }
         for r in rows

@@ -11,19 +11,25 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddtree.cli.common import (
     POSITIVE,
+    SEED,
     add_command,
     budget_list,
     deprecated,
     device_args,
     engine_options,
+    float_flag,
     model_args,
 )
 from ddtree.errors import UserError
 from ddtree.methods import METHOD_NAMES
+
+if TYPE_CHECKING:
+    from ddtree.bench.rows import Sampling
+    from ddtree.schedule import BudgetSchedule
 
 # Names shared with the other subcommands (old spellings kept as aliases for a release):
 # - `--num-prompts N` as in `drafter data` (and vLLM's and SGLang's benchmarks); `--limit` is its old name.
@@ -35,6 +41,7 @@ EXAMPLES = (
     "ddtree bench --model TARGET --drafter DRAFTER --batch-size 16 --continuous --out rows.json",
     "ddtree bench --methods ddtree --budgets 1,4,16,64 --num-prompts 4 --cost-curve cost.json",
     "ddtree bench --methods ar,ddtree --batch-sizes 1,4,16,64 --num-prompts 64 --cost-curve c.json",
+    "ddtree bench --methods ar,ddtree --temperature 0.7 --seed 1 --budget-schedule schedule.json",
 )
 
 
@@ -61,7 +68,23 @@ def add_parser(sub: Any) -> None:
         default="4,8,16,32,64",
         help="comma-separated tree budgets: one row per budget for methods tuned by it (ddtree)",
     )
+    bench.add_argument(
+        "--budget-schedule",
+        metavar="FILE",
+        help="also a row `auto`: ddtree with each step's tree taken from this budget schedule (as `ddtree advise"
+        " --schedule` writes it) by the step's active requests; it runs even where --methods leaves out ddtree",
+    )
     bench.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
+    bench.add_argument(
+        "--temperature",
+        type=float_flag(0),
+        default=0.0,
+        help="every row's sampling temperature (0: greedy); above 0, --baseline hf is refused (HF generate"
+        " cannot sample with our per-request seeds)",
+    )
+    bench.add_argument(
+        "--seed", type=SEED, default=0, help="prompt i of the set samples with seed + i, in every row and batch"
+    )
     bench.add_argument("--batch-size", type=POSITIVE, default=1, help="prompts decoded together")
     bench.add_argument(
         "--batch-sizes",
@@ -95,7 +118,8 @@ def add_parser(sub: Any) -> None:
     bench.add_argument(
         "--cost-curve",
         metavar="FILE",
-        help="also write ar's and ddtree's ms per step by budget here, per batch size (for `ddtree advise`)",
+        help="also write ar's and ddtree's ms per step by budget here, per batch size, with each budget's tau and"
+        " the temperature (for `ddtree advise`; the auto row is no point of it)",
     )
     bench.add_argument(
         "--telemetry-overhead",
@@ -117,6 +141,7 @@ def _bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in METHOD_NAMES]
     if bad or not methods:
         raise UserError(f"--methods takes {', '.join(METHOD_NAMES)}, got {args.methods!r}")
+    sampling, schedule = _sampling(args), _schedule(args)
     options = engine_options(args)
     options.check()
     prompts = heldout_prompts(args.prompts)[: args.limit]
@@ -127,28 +152,63 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(
             f"--batch-sizes {max(args.batch_sizes)} needs at least as many prompts; there are {len(prompts)}"
         )
-    model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if methods != ["ar"] else "ar")
+    drafting = methods != ["ar"] or schedule is not None
+    model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if drafting else "ar")
     target, drafter, tokenizer = options.load_models(model, drafter_dir)
     if tokenizer is None:
         raise UserError("bench needs a model with a tokenizer")
     if args.telemetry_overhead:
-        return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0])
+        return _overhead(args, (model, drafter_dir), target, tokenizer, prompts, methods[0], sampling)
     eos = eos_ids(tokenizer, target)
     encoded = [chat_ids(tokenizer, p) for p in prompts]
     engine = options.engine(target, drafter)
     sizes = args.batch_sizes or [args.batch_size]
     measured: list[Any] = []
     for batch_size in sizes:
-        rows = _bench_at(args, engine, encoded, eos, methods, batch_size)
+        rows = _bench_at(args, engine, encoded, eos, methods, batch_size, sampling, schedule)
         measured += [(batch_size, row) for row in rows]
-    _write_outputs(args, measured)
+    _write_outputs(args, measured, sampling)
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> Sampling:
+    """`--temperature` and `--seed`; UserError for a temperature HF generate's row cannot sample at."""
+    from ddtree.bench.rows import Sampling
+
+    if args.baseline and args.temperature > 0:
+        raise UserError(
+            f"--baseline hf decodes greedily only (HF generate cannot sample with our per-request seeds);"
+            f" leave it out or use --temperature 0, got {args.temperature}"
+        )
+    return Sampling(args.temperature, args.seed)
+
+
+def _schedule(args: argparse.Namespace) -> BudgetSchedule | None:
+    """The `--budget-schedule` file, or None; UserError, in one line, where it does not parse."""
+    from ddtree.schedule import read_schedule
+
+    if args.budget_schedule is None:
+        return None
+    if args.telemetry_overhead:
+        raise UserError("--budget-schedule adds a row to the table; --telemetry-overhead runs no table")
+    try:
+        return read_schedule(Path(args.budget_schedule))
+    except ValueError as exc:
+        raise UserError(f"--budget-schedule: {exc}") from None
+
+
 def _bench_at(
-    args: argparse.Namespace, engine: Any, encoded: list[list[int]], eos: tuple[int, ...], methods: list[str], size: int
+    args: argparse.Namespace,
+    engine: Any,
+    encoded: list[list[int]],
+    eos: tuple[int, ...],
+    methods: list[str],
+    size: int,
+    sampling: Sampling,
+    schedule: BudgetSchedule | None,
 ) -> list[Any]:
-    """The rows at one batch size: the header first, then the table."""
+    """The rows at one batch size, at `sampling`, with an `auto` row on `schedule` where there is one: the
+    header first, then the table."""
     from ddtree.bench.rows import format_rows, run_bench
 
     rounds = args.rounds or 1
@@ -158,7 +218,7 @@ def _bench_at(
     print(
         f"{len(encoded)} prompts, {args.max_new_tokens} new tokens max, {batching}, "
         f"device {target.device}, {str(target.dtype).removeprefix('torch.')}, {graphs}, "
-        f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}",
+        f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}, {sampling.describe()}",
         flush=True,
     )
     with ProgressBar(enabled=sys.stderr.isatty()) as bar:
@@ -174,6 +234,8 @@ def _bench_at(
             bool(args.baseline),
             args.continuous,
             progress=bar,
+            sampling=sampling,
+            schedule=schedule,
         )
     print(format_rows(rows))
     return rows
@@ -211,14 +273,15 @@ class ProgressBar:
             self.bar = None
 
 
-def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]]) -> None:
-    """`--out`: every row (with its batch size when there are several); `--cost-curve`: ar's and ddtree's ms
-    per step, one curve per batch size."""
+def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]], sampling: Sampling) -> None:
+    """`--out`: every row (with its batch size when there are several, and the temperature and seed);
+    `--cost-curve`: ar's and ddtree's ms per step, one curve per batch size, each ddtree budget's tau beside
+    its time, at the run's temperature (the `auto` row is no point of a curve)."""
     from ddtree.bench.rows import rows_json
 
     if args.json_out:
         sizes = {size for size, _ in measured}
-        records = rows_json([row for _, row in measured])
+        records = rows_json([row for _, row in measured], sampling)
         if len(sizes) > 1:
             records = [{"batch_size": size, **r} for (size, _), r in zip(measured, records, strict=True)]
         Path(args.json_out).write_text(json.dumps(records, indent=2))
@@ -226,11 +289,11 @@ def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]]) ->
         from telemetry.analysis.cost import CostPoint, write_costs
 
         points = [
-            CostPoint(size, row.method, row.budget, row.ms_per_step)
+            CostPoint(size, row.method, row.budget, row.ms_per_step, row.tau if row.method == "ddtree" else None)
             for size, row in measured
             if row.steps and (row.method == "ar" or (row.method == "ddtree" and row.budget))
         ]
-        write_costs(Path(args.cost_curve), points)
+        write_costs(Path(args.cost_curve), points, sampling.temperature)
 
 
 def _tree_build_bench(args: argparse.Namespace) -> int:
@@ -256,8 +319,10 @@ def _overhead(
     tokenizer: Any,
     prompts: list[str],
     method: str,
+    sampling: Sampling,
 ) -> int:
-    """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs."""
+    """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs; every
+    batch decodes at `sampling` (a batch's request i seeded seed + i)."""
     from ddtree.bench.rows import PairSpec, telemetry_overhead
     from ddtree.engine.engine import GenerationConfig
     from ddtree.methods import method_label
@@ -267,6 +332,8 @@ def _overhead(
     config = GenerationConfig(
         method=method,
         budget=args.budgets[0],
+        temperature=sampling.temperature,
+        seed=sampling.seed,
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=eos_ids(tokenizer, target),
     )

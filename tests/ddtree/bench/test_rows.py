@@ -153,12 +153,17 @@ def test_bench_schedule_runs_each_row_once_per_batch_and_rotates(batches: int, r
 def _recording_runner(index: int, log: list[tuple[str, int, int]]) -> RowRunner:
     """A row that logs (what, row, first prompt's id) and returns (prompt id, this row's timed runs so far)."""
 
-    def timed(batch: list[list[int]]) -> tuple[list[tuple[int, ...]], int, float, list[int]]:
+    def timed(batch: list[list[int]], first: int) -> tuple[list[tuple[int, ...]], int, float, list[int]]:
+        assert first == batch[0][0], "the index of the batch's first prompt in the set (ids are indices here)"
         log.append(("timed", index, batch[0][0]))
         runs = sum(1 for entry in log if entry[:2] == ("timed", index))
         return [(p[0], runs) for p in batch], 1, 0.5, [2] * len(batch)
 
-    return RowRunner("ddtree", index, lambda batch: log.append(("warm", index, batch[0][0])), timed)
+    def warm(batch: list[list[int]], first: int) -> None:
+        assert first == batch[0][0]
+        log.append(("warm", index, batch[0][0]))
+
+    return RowRunner("ddtree", index, warm, timed)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -18,10 +18,10 @@ from ddtree.cli.main import main
 
 
 def _runner(method: str, budget: int | None) -> RowRunner:
-    def timed(batch: Prompts) -> BatchRun:
+    def timed(batch: Prompts, first: int) -> BatchRun:
         return [tuple(p) for p in batch], 1, 0.25, [1] * len(batch)
 
-    return RowRunner(method, budget, lambda batch: None, timed)
+    return RowRunner(method, budget, lambda batch, first: None, timed)
 
 
 @pytest.mark.parametrize(("device", "warm_ups"), [("cpu", 2), ("cuda", 4)])
