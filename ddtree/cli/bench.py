@@ -286,14 +286,10 @@ def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]], sa
             records = [{"batch_size": size, **r} for (size, _), r in zip(measured, records, strict=True)]
         Path(args.json_out).write_text(json.dumps(records, indent=2))
     if args.cost_curve:
-        from telemetry.analysis.cost import CostPoint, write_costs
+        from ddtree.bench.tune import cost_points
+        from telemetry.analysis.cost import write_costs
 
-        points = [
-            CostPoint(size, row.method, row.budget, row.ms_per_step, row.tau if row.method == "ddtree" else None)
-            for size, row in measured
-            if row.steps and (row.method == "ar" or (row.method == "ddtree" and row.budget))
-        ]
-        write_costs(Path(args.cost_curve), points, sampling.temperature)
+        write_costs(Path(args.cost_curve), cost_points(measured), sampling.temperature)
 
 
 def _tree_build_bench(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from ddtree.cli import analysis as cli_analysis
 from ddtree.cli import bench as cli_bench
 from ddtree.cli import drafter as cli_drafter
 from ddtree.cli import serve as cli_serve
+from ddtree.cli import tune as cli_tune
 from ddtree.cli.common import (
     POSITIVE,
     SEED,
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     cli_bench.add_parser(sub)
     cli_serve.add_parser(sub)
+    cli_tune.add_parser(sub)
     cli_analysis.add_parsers(sub)  # analyze, advise
     _models_parsers(sub)
     cli_drafter.add_parsers(sub)  # drafter init, data, grow, train, pack-data, state, part, gather

@@ -20,10 +20,15 @@ PARSERS = {p.prog: p for p in iter_parsers(build_parser())}
 
 
 def test_every_command_is_walked() -> None:
-    assert {"ddtree", "ddtree bench", "ddtree serve", "ddtree models init-tiny", "ddtree drafter state import"} <= set(
-        PARSERS
-    )
-    assert len(PARSERS) == 21
+    assert {
+        "ddtree",
+        "ddtree bench",
+        "ddtree serve",
+        "ddtree tune",
+        "ddtree models init-tiny",
+        "ddtree drafter state import",
+    } <= set(PARSERS)
+    assert len(PARSERS) == 22
 
 
 @pytest.mark.parametrize("prog", list(PARSERS))

@@ -1,0 +1,150 @@
+"""`ddtree tune`: a budget schedule for one pair on one device, measured in three phases.
+
+1. A logged run: the prompts through `log_slots` slots with ddtree at the largest budget, every step logged
+   with its nodes' ranks (`DDTREE_LOG_TREE=1`). Replaying it gives tau for every smaller budget and top-k,
+   exactly at T = 0 (`telemetry.analysis.replay`).
+2. Cost curves: `ar` and ddtree at each budget, streamed through each batch size's slots as the server fills
+   them (`run_bench`, continuous): ms per step, and the tau each measured (the plan's tau at T > 0).
+3. The plan (`telemetry.analysis.schedule.plan_schedule`): per batch size, the tree with the most predicted
+   tokens/s, or `ar` where none beats it.
+
+The time it takes is estimated before it starts, from one timed `ar` step (`estimate_seconds`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddtree.bench.rows import GREEDY, BenchRow, Progress, Sampling, run_bench
+from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.models.target import Target
+from ddtree.observer import StepObserver
+from telemetry import TelemetryConfig, start_telemetry
+from telemetry.analysis.cost import CostFile, CostPoint, read_costs, write_costs
+from telemetry.analysis.digest import Digest
+from telemetry.analysis.steps import iter_records
+
+TREE_STEP_COST = 1.6  # a tree step's time over ar's, roughly, for the estimate only
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    budgets: tuple[int, ...] = (4, 8, 16, 32, 64)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    max_new_tokens: int = 128
+    log_slots: int = 16
+    sampling: Sampling = GREEDY
+
+    def __post_init__(self) -> None:
+        for name, values in (("budgets", self.budgets), ("batch sizes", self.batch_sizes)):
+            if not values or min(values) < 1:
+                raise ValueError(f"{name} must be one or more integers >= 1, got {list(values)}")
+        if self.max_new_tokens < 1 or self.log_slots < 1:
+            raise ValueError(f"new tokens and log slots must be >= 1, got {self.max_new_tokens}, {self.log_slots}")
+
+    @property
+    def log_budget(self) -> int:
+        return max(self.budgets)
+
+
+def cost_points(measured: Iterable[tuple[int, BenchRow]]) -> list[CostPoint]:
+    """The cost file's points among bench rows (batch size, row): ar's step time, each ddtree budget's with
+    its tau; other rows (dflash, auto, HF) are no points."""
+    return [
+        CostPoint(size, row.method, row.budget, row.ms_per_step, row.tau if row.method == "ddtree" else None)
+        for size, row in measured
+        if row.steps and (row.method == "ar" or (row.method == "ddtree" and row.budget))
+    ]
+
+
+def estimate_seconds(engine: Engine, prompts: list[list[int]], settings: TuneSettings) -> float:
+    """Seconds the phases will take, roughly: one `ar` step timed at one row, times the steps each phase runs
+    (a tree step counted `TREE_STEP_COST` ar steps and taken to accept two tokens). Compiling and capturing
+    come on top on CUDA."""
+    config = GenerationConfig(method="ar", max_new_tokens=16)
+    engine.generate(prompts[:1], config)  # compiles what the timed run would
+    started = time.perf_counter()
+    result = engine.generate(prompts[:1], config)
+    step_s = (time.perf_counter() - started) / max(result.steps, 1)
+    tokens = len(prompts) * settings.max_new_tokens
+    runs = 2 if engine.target.device.type == "cuda" else 1  # on CUDA each row's warm-up is a whole run
+    steps = tokens / settings.log_slots / 2 * TREE_STEP_COST
+    for size in settings.batch_sizes:
+        per_row = math.ceil(tokens / min(size, len(prompts)))
+        steps += runs * per_row * (1 + len(settings.budgets) * TREE_STEP_COST / 2)
+    return steps * step_s
+
+
+def logged_run(
+    make_engine: Callable[[StepObserver], Engine],
+    target: Target,
+    prompts: list[list[int]],
+    eos: tuple[int, ...],
+    settings: TuneSettings,
+    log: Path,
+) -> Digest:
+    """Phase 1: ddtree at the largest budget with every step and node rank logged to `log`; its digest."""
+    config = TelemetryConfig(
+        enabled=True,
+        traces_exporter="none",
+        metrics_exporter="none",
+        log_file=str(log),
+        nvml_interval_ms=0,
+        log_tree=1.0,
+    )
+    telemetry = start_telemetry(config, device_type=target.device.type)
+    try:
+        engine = make_engine(telemetry.observer)
+        generation = GenerationConfig(
+            method="ddtree",
+            budget=settings.log_budget,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_ids=eos,
+            temperature=settings.sampling.temperature,
+            seed=settings.sampling.seed,
+        )
+        engine.stream(prompts, generation, settings.log_slots)
+    finally:
+        telemetry.shutdown()
+    return read_digest(log)
+
+
+def read_digest(log: Path) -> Digest:
+    digest = Digest()
+    with log.open() as lines:
+        for record in iter_records(lines, digest.counts):
+            digest.add(record)
+    return digest
+
+
+def cost_curves(
+    engine: Engine,
+    prompts: list[list[int]],
+    eos: tuple[int, ...],
+    settings: TuneSettings,
+    out: Path,
+    progress: Callable[[int], Progress] | None = None,
+) -> CostFile:
+    """Phase 2: ar and every budget at every batch size, continuous; written to `out` and read back.
+    `progress(size)`: the progress callback of that batch size's run."""
+    measured: list[tuple[int, BenchRow]] = []
+    for size in settings.batch_sizes:
+        rows = run_bench(
+            engine,
+            prompts,
+            list(settings.budgets),
+            settings.max_new_tokens,
+            size,
+            ["ar", "ddtree"],
+            eos,
+            continuous=True,
+            progress=progress(size) if progress else None,
+            sampling=settings.sampling,
+        )
+        measured += [(size, row) for row in rows]
+    write_costs(out, cost_points(measured), settings.sampling.temperature)
+    return read_costs(out)
