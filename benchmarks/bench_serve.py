@@ -2,21 +2,29 @@
 
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --clients 8 --requests 32 --max-tokens 32
     python benchmarks/bench_serve.py --spawn MODEL DRAFTER --method ar --method ddtree --clients 8 --requests 32
+    python benchmarks/bench_serve.py --spawn MODEL DRAFTER --serve "ar=--method ar" --serve "B=16=--budget 16" \
+        --serve "auto=--budget auto" --clients 1,4,16,64 --requests-per-client 4 --max-tokens 128 --out serve.json
 
 `--clients` threads share `--requests` streamed `/v1/completions` requests (temperature 0 unless told, prompts
 cycling through a fixed set). Reported: requests/s and output tokens/s over the wall time, TTFT (request
 sent to first text chunk), ITL (gaps between text chunks; a ddtree step can carry several tokens in one
 chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)), as p50/p99. Tokens are the server's `usage`.
-`--spawn` starts `ddtree serve` itself for each `--method` (on a free port), waits for /health, runs the
-load, then stops it with SIGTERM.
+`--spawn` starts `ddtree serve` itself for each `--method` or `--serve LABEL=ARGS` (on a free port), waits
+for /health, runs each load of `--clients` (a comma-separated list: one load after the other on the same
+server, whose slots are the largest load's), then stops it with SIGTERM. With several servers each load's
+line gives its tokens/s over the first server's (`vs`), and the budgets its steps ran (from the responses'
+`ddtree` blocks: `step_budgets` under `--budget auto`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -46,6 +55,7 @@ class Sample:
     gaps: list[float] = field(default_factory=list)
     tpot: float | None = None
     tokens: int = 0
+    budgets: list[int] = field(default_factory=list)  # each step's budget, from the `ddtree` block
 
 
 def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Namespace) -> Sample:
@@ -61,6 +71,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Name
     sent = time.perf_counter()
     times: list[float] = []
     tokens = 0
+    budgets: list[int] = []
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -74,15 +85,19 @@ def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Name
                 times.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
+            if chunk.get("ddtree"):
+                block = chunk["ddtree"]
+                budgets = block.get("step_budgets") or [block["budget"]] * block["steps"]
     if not times:
         times = [time.perf_counter()]
     sample = Sample(ttft=times[0] - sent, gaps=[b - a for a, b in itertools.pairwise(times)], tokens=tokens)
+    sample.budgets = budgets
     if tokens > 1:
         sample.tpot = (times[-1] - times[0]) / (tokens - 1)
     return sample
 
 
-def run_load(url: str, args: argparse.Namespace) -> dict[str, float]:
+def run_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
     samples: list[Sample] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -116,7 +131,10 @@ def run_load(url: str, args: argparse.Namespace) -> dict[str, float]:
     tokens = sum(s.tokens for s in samples)
     gaps = [g for s in samples for g in s.gaps]
     tpots = [s.tpot for s in samples if s.tpot is not None]
+    budgets = collections.Counter(b for s in samples for b in s.budgets)
     return {
+        "clients": args.clients,
+        "step_budgets": {str(b): n for b, n in sorted(budgets.items())},
         "requests": len(samples),
         "failed": len(errors),
         "wall_s": wall,
@@ -143,13 +161,17 @@ def pct(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def report(label: str, stats: dict[str, float]) -> None:
+def report(label: str, stats: dict[str, Any], baseline: dict[str, Any] | None = None) -> None:
+    versus = f" ({stats['out_tok_per_s'] / baseline['out_tok_per_s']:.2f}x)" if baseline else ""
+    steps = sum(stats["step_budgets"].values()) or 1
+    budgets = ", ".join(f"B={b} {n / steps:.0%}" for b, n in stats["step_budgets"].items())
     print(
-        f"{label}: {stats['requests']:.0f} requests ({stats['failed']:.0f} failed), {stats['tokens']:.0f} output "
+        f"{label}, {stats['clients']} clients{versus}: {stats['requests']:.0f} requests ({stats['failed']:.0f} "
+        f"failed), {stats['tokens']:.0f} output "
         f"tokens in {stats['wall_s']:.2f} s | {stats['req_per_s']:.2f} req/s, {stats['out_tok_per_s']:.1f} out tok/s"
         f" | TTFT p50 {stats['ttft_p50_ms']:.1f} ms p99 {stats['ttft_p99_ms']:.1f} ms"
         f" | ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms"
-        f" | TPOT p50 {stats['tpot_p50_ms']:.1f} ms p99 {stats['tpot_p99_ms']:.1f} ms",
+        f" | TPOT p50 {stats['tpot_p50_ms']:.1f} ms p99 {stats['tpot_p99_ms']:.1f} ms | steps: {budgets or '-'}",
         flush=True,
     )
 
@@ -160,13 +182,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn_and_run(model: str, drafter: str, method: str, args: argparse.Namespace) -> dict[str, float]:
+def spawn_and_run(
+    model: str, drafter: str, label: str, serve_args: list[str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One server with `serve_args`, each load of `args.clients` in turn on it: a result per load."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    slots = args.max_batch_size or max(args.clients)
     argv = [sys.executable, "-m", "ddtree.cli", "serve", "--model", model, "--drafter", drafter]
-    argv += ["--method", method, "--port", str(port), "--max-batch-size", str(args.max_batch_size or args.clients)]
-    argv += ["--max-queue", str(max(64, args.requests)), *args.serve_arg]
-    log = Path(args.log_dir) / f"serve-{method}.log"
+    argv += ["--port", str(port), "--max-batch-size", str(slots), *serve_args]
+    argv += ["--max-queue", str(max(64, *(_requests(args, c) for c in args.clients))), *args.serve_arg]
+    log = Path(args.log_dir) / f"serve-{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
@@ -185,7 +211,10 @@ def spawn_and_run(model: str, drafter: str, method: str, args: argparse.Namespac
             if args.warmup:
                 warm = argparse.Namespace(**{**vars(args), "requests": args.warmup, "clients": 1})
                 run_load(url, warm)
-            return run_load(url, args)
+            loads = [
+                argparse.Namespace(**{**vars(args), "clients": c, "requests": _requests(args, c)}) for c in args.clients
+            ]
+            return [run_load(url, load) for load in loads]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -203,8 +232,13 @@ def main() -> int:
     parser.add_argument(
         "--method", action="append", help="with --spawn: a method to serve (repeatable; default ddtree)"
     )
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument(
+        "--serve", action="append", default=[], metavar="LABEL=ARGS", help="with --spawn: a server, its `serve` flags"
+    )
+    parser.add_argument("--clients", type=_counts, default=[8], help="concurrent clients; a list: loads in turn")
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=None, help="requests = clients x this")
+    parser.add_argument("--out", default=None, help="write every load's figures here as JSON")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model-name", default=None, help="the request's `model` (default: none)")
@@ -215,13 +249,38 @@ def main() -> int:
     parser.add_argument("--log-dir", default="/tmp", help="with --spawn: where the server logs go")
     parser.add_argument("--serve-arg", action="append", default=[], help="with --spawn: extra `serve` argument")
     args = parser.parse_args()
+    results: list[dict[str, Any]] = []
     if args.url:
-        report(args.url, run_load(args.url.rstrip("/"), args))
-        return 0
-    model, drafter = args.spawn
-    for method in args.method or ["ddtree"]:
-        report(method, spawn_and_run(model, drafter, method, args))
+        for clients in args.clients:
+            results.append({"server": args.url, **run_load(args.url.rstrip("/"), _load(args, clients))})
+            report(args.url, results[-1])
+    else:
+        model, drafter = args.spawn
+        servers = [(m, ["--method", m]) for m in args.method or []]
+        servers += [(label, shlex.split(flags)) for label, _, flags in (s.partition("=") for s in args.serve)]
+        first: list[dict[str, Any]] = []
+        for label, flags in servers or [("ddtree", ["--method", "ddtree"])]:
+            loads = spawn_and_run(model, drafter, label, flags, args)
+            first = first or loads
+            for load, base in zip(loads, first, strict=True):
+                results.append({"server": label, **load})
+                report(label, load, base if first is not loads else None)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _load(args: argparse.Namespace, clients: int) -> argparse.Namespace:
+    """The arguments of one load: `clients` clients and their requests."""
+    return argparse.Namespace(**{**vars(args), "clients": clients, "requests": _requests(args, clients)})
+
+
+def _requests(args: argparse.Namespace, clients: int) -> int:
+    return int(clients * args.requests_per_client if args.requests_per_client else args.requests)
 
 
 if __name__ == "__main__":

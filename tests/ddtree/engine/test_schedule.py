@@ -3,8 +3,6 @@ between steps never changes a request's tokens, and warm-up runs every shape a s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,9 +14,6 @@ from ddtree.methods import TreeShape
 from ddtree.schedule import BudgetSchedule, Choice
 from tests.helpers import random_prompts, tiny_pair
 
-DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
-
-
 def _schedule(*choices: tuple[int, int | None, int | None]) -> BudgetSchedule:
     return BudgetSchedule(
         tuple(Choice(rows, "ar" if budget is None else "ddtree", budget, topk) for rows, budget, topk in choices)
@@ -29,9 +24,8 @@ MIXED = _schedule((1, 24, None), (2, None, None), (4, 3, 2), (8, 9, None))
 
 
 def _pair(seed: int, vocab: int = 24, block_size: int = 6) -> Engine:
+    """On the device of `DDTREE_TEST_DEVICE` (`tiny_pair`'s): on CUDA with graphs, as served."""
     target, drafter = tiny_pair(seed, vocab=vocab, block_size=block_size)
-    if DEVICE != "cpu":
-        target, drafter = target.to(DEVICE), drafter.to(DEVICE)  # type: ignore[attr-defined]
     return Engine(target, drafter)
 
 
