@@ -7,6 +7,10 @@
 # batching in 16 and 64 slots (cont64 on the held-out prompts four times over); projection needs bench1's JSON;
 # tests runs the kernel and zero-sync tests on the GPU, which need pytest and, for zero-sync, the telemetry
 # packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names.
+# The load-aware budget (opt-in steps): schedule runs the budget-switching tests on the GPU (graphed, needs pytest
+# and hypothesis); tune writes WORK/schedule.json; auto benches ar, B=4/16/64 and auto on it by continuous batching
+# in 1, 4, 16 and 64 slots; serve loads `ddtree serve` with as many streaming clients (needs fastapi, uvicorn,
+# httpx).
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -45,6 +49,24 @@ fi
 if has stream; then
   $PY benchmarks/profile_stream.py "$target" 16 64 ar:1 ddtree:16
   $PY benchmarks/profile_stream.py "$target" 64 256 ar:1 ddtree:16
+fi
+if has schedule; then
+  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/engine/test_schedule.py
+fi
+if has tune; then
+  $PY -m ddtree.cli tune --model "$target" --drafter "$drafter" --dtype bfloat16 --budgets 4,8,16,32,48,64 \
+    --batch-sizes 1,4,16,64 --num-prompts 64 --max-new-tokens 128 --out "$work/schedule.json" --keep "$work/tune"
+fi
+if has auto; then
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree --budgets 4,16,64 \
+    --batch-sizes 1,4,16,64 --continuous --num-prompts 64 --max-new-tokens 128 \
+    --budget-schedule "$work/schedule.json" --out "$work/auto-rows.json"
+fi
+if has serve; then
+  $PY benchmarks/bench_serve.py --spawn "$target" "$drafter" --serve "ar=--method ar" --serve "B=4=--budget 4" \
+    --serve "B=16=--budget 16" --serve "B=64=--budget 64" --serve "auto=--budget-schedule $work/schedule.json" \
+    --clients 1,4,16,64 --requests-per-client 4 --max-tokens 128 --serve-arg=--dtype --serve-arg=bfloat16 \
+    --log-dir "$work" --out "$work/serve.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
 if has tree && [ -f benchmarks/tree_build_device.py ]; then $PY benchmarks/tree_build_device.py --json "$work/tree.json"; fi
