@@ -8,12 +8,11 @@
 3. The plan (`telemetry.analysis.schedule.plan_schedule`): per batch size, the tree with the most predicted
    tokens/s, or `ar` where none beats it.
 
-The time it takes is estimated before it starts, from one timed `ar` step (`estimate_seconds`).
+The time it takes is estimated before it starts, from two timed steps (`estimate_seconds`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.cost import CostFile, CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest
 from telemetry.analysis.steps import iter_records
-
-TREE_STEP_COST = 1.6  # a tree step's time over ar's, roughly, for the estimate only
 
 
 @dataclass(frozen=True)
@@ -62,21 +59,33 @@ def cost_points(measured: Iterable[tuple[int, BenchRow]]) -> list[CostPoint]:
 
 
 def estimate_seconds(engine: Engine, prompts: list[list[int]], settings: TuneSettings) -> float:
-    """Seconds the phases will take, roughly: one `ar` step timed at one row, times the steps each phase runs
-    (a tree step counted `TREE_STEP_COST` ar steps and taken to accept two tokens). Compiling and capturing
-    come on top on CUDA."""
-    config = GenerationConfig(method="ar", max_new_tokens=16)
-    engine.generate(prompts[:1], config)  # compiles what the timed run would
-    started = time.perf_counter()
-    result = engine.generate(prompts[:1], config)
-    step_s = (time.perf_counter() - started) / max(result.steps, 1)
+    """Seconds the phases will take, roughly. Two steps are timed: `ar` at one row and ddtree at the largest
+    budget and batch size; a step's time is taken as linear in the tokens it verifies (rows x tree), in
+    between (so an estimate, not a promise: a GPU's steps stay flat over small trees), and a tree step as
+    accepting two tokens. Compiling and capturing come on top on CUDA."""
+    size, budget = min(max(settings.batch_sizes), len(prompts)), settings.log_budget
+    small = _step_seconds(engine, prompts[:1], GenerationConfig(method="ar", max_new_tokens=8))
+    large = _step_seconds(engine, prompts[:size], GenerationConfig(method="ddtree", budget=budget, max_new_tokens=8))
+
+    def step(rows: int, tree: int) -> float:
+        share = (rows * (1 + tree) - 1) / max(size * (1 + budget) - 1, 1)
+        return small + (large - small) * share
+
     tokens = len(prompts) * settings.max_new_tokens
     runs = 2 if engine.target.device.type == "cuda" else 1  # on CUDA each row's warm-up is a whole run
-    steps = tokens / settings.log_slots / 2 * TREE_STEP_COST
-    for size in settings.batch_sizes:
-        per_row = math.ceil(tokens / min(size, len(prompts)))
-        steps += runs * per_row * (1 + len(settings.budgets) * TREE_STEP_COST / 2)
-    return steps * step_s
+    seconds = tokens / settings.log_slots / 2 * step(settings.log_slots, budget)
+    for rows in settings.batch_sizes:
+        rows = min(rows, len(prompts))
+        per_row = tokens / rows * step(rows, 0) + sum(tokens / rows / 2 * step(rows, b) for b in settings.budgets)
+        seconds += runs * per_row
+    return seconds
+
+
+def _step_seconds(engine: Engine, prompts: list[list[int]], config: GenerationConfig) -> float:
+    engine.generate(prompts, config)  # compiles what the timed run would
+    started = time.perf_counter()
+    result = engine.generate(prompts, config)
+    return (time.perf_counter() - started) / max(result.steps, 1)
 
 
 def logged_run(

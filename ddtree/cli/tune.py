@@ -114,7 +114,7 @@ def _phases(
         f"ddtree tune: {len(encoded)} prompts, {settings.max_new_tokens} new tokens, {settings.sampling.describe()}; "
         f"1. a logged run at B={settings.log_budget} in {settings.log_slots} slots, 2. ar and budgets "
         f"{','.join(map(str, settings.budgets))} at batch sizes {sizes}, 3. the plan; "
-        f"about {max(minutes, 0.1):.1f} min (from one timed step; compiling and capturing come on top)",
+        f"about {max(minutes, 0.1):.1f} min (from two timed steps; compiling and capturing come on top)",
         flush=True,
     )
     print("1/3 the logged run", flush=True)
