@@ -61,19 +61,19 @@ class TraceSink:
             context=context,
             links=links,
             start_time=stats.start_ns,
-            attributes={
+            attributes={  # an unset top-k is no attribute (null in logs and responses: absent everywhere)
                 sc.ATTR_STEP_INDEX: stats.step,
                 sc.ATTR_METHOD: stats.info.method,
                 sc.ATTR_BATCH_SIZE: stats.active_requests,
                 sc.ATTR_ROWS: stats.row_count,
                 sc.ATTR_WARMUP: stats.warmup,
                 sc.ATTR_BUDGET: stats.info.budget,
-                sc.ATTR_TOPK: stats.info.topk if stats.info.topk is not None else -1,
                 sc.ATTR_TREE_NODES: sum(stats.tree_nodes),
                 sc.ATTR_TREE_DEPTH: stats.tree_depth,
                 sc.ATTR_ACCEPTED_TOKENS: sum(stats.accepted),
                 sc.ATTR_MEAN_ACCEPTANCE: mean_acceptance_length(lengths) or 0.0,
-            },
+            }
+            | ({} if stats.info.topk is None else {sc.ATTR_TOPK: stats.info.topk}),
         )
         if links:  # and each request links to the steps that served it (the SDK keeps up to 128 links a span)
             for span in spans:

@@ -35,6 +35,11 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     serve.add_argument("--port", type=int_flag(0, 65535), default=8000, help="port to listen on (0: any free port)")
     model_args(serve)
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in /v1/models, responses and metrics (default: the model directory's name)",
+    )
     serve.add_argument("--method", choices=METHOD_NAMES, default="ddtree", help="decoding method of every request")
     serve.add_argument(
         "--budget",
@@ -99,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
         topk=args.topk,
         auto_budget=args.budget == AUTO or args.budget_schedule is not None,
         budget_schedule=args.budget_schedule,
+        served_model_name=args.served_model_name,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,

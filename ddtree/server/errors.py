@@ -83,6 +83,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     for error in exc.errors():
         loc = [str(part) for part in error.get("loc", ()) if part != "body"]
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "this server does not support this field (an unsupported field is refused, not ignored)"
         problems.append(f"{loc[0]}: {message}" if loc and error.get("type") != "json_invalid" else message)
         params.append(loc[0] if loc and error.get("type") != "json_invalid" else None)
     return bad_request("; ".join(problems) or "invalid request body", param=params[0] if params else None)

@@ -36,6 +36,7 @@ class ServerSettings:
     topk: int | None = None
     auto_budget: bool = False  # follow the schedule `ddtree tune` wrote for this pair and device
     budget_schedule: str | None = None  # follow this schedule file (implies auto_budget)
+    served_model_name: str | None = None  # the name /v1/models lists and responses carry; None: the directory's
     max_batch_size: int = 8  # the session's slots: requests decoded together
     max_queue: int = 64  # requests waiting for a slot; one more gets 429
     max_model_len: int | None = None  # prompt + new tokens; None: DEFAULT_MAX_MODEL_LEN capped by the model
@@ -72,6 +73,9 @@ def check_settings(settings: ServerSettings) -> None:
     _check_connections(settings)
     if settings.api_key is not None and not settings.api_key.strip():
         raise UserError("--api-key must not be empty")
+    name = settings.served_model_name
+    if name is not None and (not name.strip() or name != name.strip() or "\x00" in name):
+        raise UserError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
 
 
 def _check_connections(settings: ServerSettings) -> None:
@@ -135,7 +139,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
     telemetry = start_telemetry(
         _server_telemetry(TelemetryConfig.from_env()),
         device_type=target.device.type,
-        model_name=Path(model).name,
+        model_name=settings.served_model_name or Path(model).name,
         detokenize=lambda ids: str(tokenizer.decode(ids)),
     )
     engine = settings.options.engine(target, drafter, telemetry.observer)
@@ -148,13 +152,11 @@ def load_model(settings: ServerSettings) -> ServedModel:
         schedule=schedule,
     )
     shape = engine.shape(generation)
-    budget, topk = shape.budget, shape.topk
-    if shape.drafting and topk is None:
-        topk = min(budget, vocab_size)  # what the tree build uses when no top-k is given
+    budget, topk = shape.budget, shape.topk  # an unset top-k stays None: null in the `ddtree` block, as in logs
     return ServedModel(
         engine=engine,
         tokenizer=tokenizer,
-        model_id=Path(model).name,
+        model_id=settings.served_model_name or Path(model).name,
         generation=generation,
         max_model_len=max_model_len,
         vocab_size=vocab_size,

@@ -2,12 +2,12 @@
 
 Every whole response carries `usage` and a `ddtree` block:
 `{"method", "budget", "topk", "steps", "mean_acceptance_length", "acceptance_histogram"}`. `budget` and
-`topk` are what the engine verifies (`Method.shape`: `ar` 0 and null, `dflash` the drafter's depth
-and 1). `steps` counts decode steps (the prefill's first token is not a step). `acceptance_histogram` is a
-list whose entry i counts the steps that accepted i + 1 tokens (accepted drafts + the bonus), up to the
-longest seen; `mean_acceptance_length` is null when there were no steps. Under `--budget auto` the budget
-follows the load: `budget` is `"auto"`, `topk` null, and `step_budgets` lists each step's draft nodes (0: an
-`ar` step).
+`topk` are what the engine verifies (`Method.shape`: `ar` 0 and null, `dflash` the drafter's depth and 1;
+an unset top-k is null, as in the step logs, and no attribute on spans). `steps` counts decode steps (the
+prefill's first token is not a step). `acceptance_histogram` is a list whose entry i counts the steps that
+accepted i + 1 tokens (accepted drafts + the bonus), up to the longest seen; `mean_acceptance_length` is
+null when there were no steps. Under `--budget auto` the budget follows the load: `budget` is `"auto"`,
+`topk` null, and `step_budgets` lists each step's draft nodes (0: an `ar` step).
 
 Streams: text chunks, then a chunk with the finish reason; with `stream_options.include_usage` one more
 chunk with empty `choices` and `usage` (as OpenAI). The `ddtree` block rides on the last chunk before

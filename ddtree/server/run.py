@@ -105,14 +105,15 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> 
 
 
 def startup_line(model: ServedModel, url: str) -> str:
-    """`ddtree serve: SmolLM2-135M-Instruct, method ddtree, budget 32, top-k 32, cuda, bfloat16, graphs on, at
-    http://127.0.0.1:8000 (OpenAI API under /v1)`: the budget and top-k the engine verifies, where drafting."""
+    """`ddtree serve: SmolLM2-135M-Instruct, method ddtree, budget 32, cuda, bfloat16, graphs on, at
+    http://127.0.0.1:8000 (OpenAI API under /v1)`: the budget the engine verifies where drafting, its top-k
+    where one is set, and under `--budget auto` the schedule's choices."""
     target = model.engine.target
     method = f"method {model.generation.method}"
     if model.schedule is not None:
         method += ", budget auto (" + ", ".join(f"{c.batch_size} rows: {c.label}" for c in model.schedule.choices) + ")"
     elif model.tree_budget:
-        method += f", budget {model.tree_budget}, top-k {model.tree_topk or 'none'}"
+        method += f", budget {model.tree_budget}" + (f", top-k {model.tree_topk}" if model.tree_topk else "")
     dtype = str(target.dtype).removeprefix("torch.")
     graphs = "on" if model.engine.cuda_graphs else "off"
     return (

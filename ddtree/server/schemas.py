@@ -1,4 +1,6 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic). Unknown fields are ignored.
+"""Request bodies of the OpenAI-compatible endpoints (pydantic). No field is silently ignored: a field this
+server does not know is a 400 naming it, and a known one it does not implement is a 400 unless its value is
+the one that changes nothing (`NEUTRAL`).
 
 Defaults, and what is not OpenAI's:
 
@@ -17,8 +19,16 @@ Defaults, and what is not OpenAI's:
 - Text: no string anywhere in a body (prompt, messages and their extra fields, stop, model) may hold a lone
   surrogate (`"\ud800"` is valid JSON but not encodable as UTF-8) or a NUL character: `text_problem` finds
   the first such string, and the app answers 400 naming where it is and the character.
-- Accepted and ignored: `top_p`, `presence_penalty`, `frequency_penalty`, `logprobs`, `user`, and any other
-  field.
+- `top_p` (0 < p <= 1, default 1) and `top_k` (vLLM's extension; 0 or -1 = off, the default): the target's
+  distribution at `temperature` is cut to its top-k tokens, then to the smallest set reaching p; at
+  temperature 0 (greedy) they change nothing.
+- `logprobs`: on completions an integer 0..`MAX_LOGPROBS` (the emitted tokens' log-probabilities and that many
+  alternatives); on chat a boolean, with `top_logprobs` 0..`MAX_LOGPROBS`. They are the target's own
+  log-probabilities (its raw logits, before temperature and filtering), as vLLM reports by default.
+- `user`: accepted; it names the end user to the caller's own records and changes nothing here.
+- Refused unless neutral: `presence_penalty` and `frequency_penalty` (0), `logit_bias` (empty), `best_of`
+  (1), `echo` (false), `suffix` (empty), `repetition_penalty` (1): not implemented, so a request that needs
+  them gets a 400 that names them rather than output that ignores them.
 """
 
 from __future__ import annotations
@@ -26,9 +36,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+NEUTRAL: dict[str, Any] = {  # known, not implemented: accepted only with the value that changes nothing
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "best_of": 1,
+    "echo": False,
+    "suffix": "",
+}
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 SHOWN_CHARS = 24  # of a bad value quoted in an error message
@@ -36,7 +56,7 @@ ONE_PROMPT = "one prompt per request: a string or a list of token ids"
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -54,6 +74,28 @@ class Sampling(_Body):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self) -> Sampling:
+        for name, neutral in NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and value != neutral:
+                raise ValueError(
+                    f"{name} is not supported by this server (only {show(neutral)} or leaving it out); "
+                    f"got {show(value)}"
+                )
+        return self
+
+    def top_k_value(self) -> int:
+        """The top-k to sample with: 0 (off) for absent, 0 and -1."""
+        return max(self.top_k or 0, 0)
 
     @field_validator("n")
     @classmethod
@@ -88,6 +130,14 @@ class Sampling(_Body):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    def logprobs_count(self) -> int | None:
+        """None: no log-probabilities; else how many alternatives per token besides the chosen one."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -129,6 +179,18 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        """None: no log-probabilities; else how many alternatives per token besides the chosen one."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def new_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens

@@ -33,7 +33,7 @@ def events(response: Any) -> list[Any]:
 
 
 def check_ddtree(block: dict[str, Any], completion_tokens: int) -> None:
-    assert block["method"] == "ddtree" and block["budget"] == BUDGET and block["topk"] == BUDGET
+    assert block["method"] == "ddtree" and block["budget"] == BUDGET and block["topk"] is None
     histogram = block["acceptance_histogram"]
     assert sum(histogram) == block["steps"] >= 1
     accepted = sum((i + 1) * n for i, n in enumerate(histogram))
@@ -61,7 +61,7 @@ def test_completion_is_the_engines_output_with_usage_and_ddtree(client: TestClie
 def test_token_id_prompts_and_defaults(client: TestClient, served: ServedModel) -> None:
     prompt = encode(served, "ids")
     by_ids = client.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "seed": 3}).json()
-    by_text = client.post("/v1/completions", json={"prompt": ["ids"], "temperature": 0, "unknown": {"x": 1}}).json()
+    by_text = client.post("/v1/completions", json={"prompt": ["ids"], "temperature": 0}).json()
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"] == alone(served, prompt, 16)[1]
     assert by_ids["usage"]["completion_tokens"] <= 16  # OpenAI's default max_tokens
 

@@ -24,7 +24,7 @@ COMPLETIONS = [
     (rb'{"prompt": "a\u0000b", "max_tokens": 2}', "prompt", ["NUL character", "character 1"]),
     (rb'{"prompt": "x", "model": "\ud800"}', "model", ["model: ", "lone surrogate"]),
     (rb'{"prompt": "x", "stop": ["ok", "\ud800"]}', "stop", ["stop[1]: ", "lone surrogate"]),
-    (rb'{"prompt": "x", "user": "\ud800"}', None, None),  # an ignored field is never read: no 400 for it
+    (rb'{"prompt": "x", "user": "\ud800"}', "user", ["user: ", "lone surrogate"]),
     (rb'{"prompt": [-1], "max_tokens": 2}', "prompt", ["outside the vocabulary", "-1 at index 0"]),
     (rb'{"prompt": [1, 258], "max_tokens": 2}', "prompt", ["outside the vocabulary [0, 258)", "258 at index 1"]),
     (rb'{"prompt": [[5, 99999]], "max_tokens": 2}', "prompt", ["99999 at index 1"]),
