@@ -265,7 +265,7 @@ class Digest:
         rid, steps = r.get(sc.FIELD_REQUEST_ID), r.get(sc.FIELD_STEPS)
         self.identities.setdefault(key, RequestSet()).add(rid, r.get(sc.FIELD_PROMPT_TOKEN_IDS))
         if isinstance(rid, str) and rid and isinstance(steps, int):
-            seen, lengths = self.open.pop((key, rid), [0, 0])
+            seen, lengths = self._steps_seen(key, rid)
             mean = r.get(sc.FIELD_MEAN_ACCEPTANCE)
             tally = self.configs[key].requests if key in self.configs else self.unmatched
             tally.add(steps, mean if isinstance(mean, (int, float)) else None, seen, lengths)
@@ -281,6 +281,14 @@ class Digest:
             if log_probs is not None:
                 self._reliability(path, log_probs)
         table.add_request(paths, ranks)
+
+    def _steps_seen(self, key: Key, request_id: str) -> list[int]:
+        """[steps, summed lengths] of the step lines that listed the request. A request whose budget followed
+        the load (budget null) ran steps of several trees, `ar` steps among them: those of each count."""
+        if key[1] is not None:
+            return self.open.pop((key, request_id), [0, 0])
+        entries = [self.open.pop((k, request_id), [0, 0]) for k in list(self.configs)]
+        return [sum(e[0] for e in entries), sum(e[1] for e in entries)]
 
     def _telemetry(self, t: dict[str, Any]) -> None:
         """A `ddtree.telemetry` line; only those that report dropped records count."""
