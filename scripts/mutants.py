@@ -46,6 +46,7 @@ ZERO_SYNC = ("tests/telemetry/test_zero_sync.py",)
 ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
 ANCESTORS = ("tests/ddtree/kernels/test_ancestors.py",)
 TREE_KERNELS = ("tests/ddtree/kernels/test_tree_build.py",)
+SCHEDULE = ("tests/ddtree/engine/test_schedule.py", "tests/ddtree/server/test_auto_budget.py")
 PROBE = (
     "tests/ddtree/engine/test_probe.py",
     "tests/ddtree/engine/test_session.py",
@@ -330,6 +331,32 @@ def _mutants() -> list[Mutant]:
                 ),
             ),
             PROBE,
+        ),
+        Mutant(
+            "schedule-ar-steps-starve-the-drafter",
+            "an ar step of a session whose budget follows the load does not hand the drafter its features",
+            "ddtree/engine/proposers.py",
+            (("        self.drafter.append_context(context, counts, cache, fused)\n", ""),),
+            SCHEDULE,
+        ),
+        Mutant(
+            "schedule-ignores-the-load",
+            "every step runs the schedule's widest tree, whatever the active requests",
+            "ddtree/engine/session.py",
+            (
+                (
+                    "shape = self._forced or self.schedule.shape_for(sum(decoding(s) for s in self.slots))",
+                    "shape = self._forced or self.shape",
+                ),
+            ),
+            SCHEDULE,
+        ),
+        Mutant(
+            "step-log-budget-of-the-requests",
+            "the exporter logs each step with the requests' budget, not the tree the step verified",
+            "telemetry/process.py",
+            (("        if (info.method, info.budget, info.topk) == shape:\n", "        if True:\n"),),
+            ("tests/telemetry/analysis/test_switching_log.py",),
         ),
     ]
 
