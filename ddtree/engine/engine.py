@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ddtree.engine.capacity import ModelDims, check_context, check_session, plan_session
 from ddtree.engine.graphs import use_cuda_graphs
-from ddtree.engine.requests import Request, RequestOutput
+from ddtree.engine.requests import Request, RequestOutput, check_filters
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import TreeShape, get_method
 from ddtree.models.dflash import DFlashDrafter
@@ -40,6 +40,9 @@ class GenerationConfig:
     max_new_tokens: int = 128
     eos_token_ids: tuple[int, ...] = ()
     schedule: BudgetSchedule | None = None  # ddtree only: the tree follows the load (budget and topk unused)
+    top_p: float = 1.0  # in (0, 1]: nucleus sampling of the target's tokens at T > 0 (1: off)
+    top_k: int = 0  # the target samples among its k most probable tokens at T > 0 (0: off)
+    logprobs: int | None = None  # None: no log-probabilities; 0: the emitted tokens'; N: and N alternatives each
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def check_generation(config: GenerationConfig) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {config.temperature}")
     if config.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    check_filters(config.top_p, config.top_k, config.logprobs)
     if config.budget < 1 and get_method(config.method).tuned_by_budget:
         raise ValueError(f"budget must be >= 1, got {config.budget}")
     if config.topk is not None and config.topk < 1:
@@ -196,5 +200,13 @@ class Engine:
 
 def _request(prompt: list[int], config: GenerationConfig, index: int, request_id: str) -> Request:
     return Request(
-        prompt, config.max_new_tokens, config.temperature, config.seed + index, config.eos_token_ids, request_id
+        prompt,
+        config.max_new_tokens,
+        config.temperature,
+        config.seed + index,
+        config.eos_token_ids,
+        request_id,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        logprobs=config.logprobs,
     )

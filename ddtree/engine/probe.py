@@ -8,6 +8,8 @@ so telemetry makes no copies of its own:
     | 1        | path        | 1     | nodes  | nodes  | nodes   | nodes     | stages + 1 |
 
 The first three blocks are the token part (`start` columns), the rest the probe (with an observer only).
+A step whose requests ask for log-probabilities appends their columns (`ddtree.engine.logprobs`) after all of
+these: the caller that asked for them cuts them off the end.
 
 `log_probs` are the tree's float32 log-probabilities as their int32 bit patterns, widened to int64 (exact).
 `stamps` (the GPU clock at the step's start and after each stage, `ddtree.kernels.clock`) are the same in
@@ -43,19 +45,22 @@ class ProbeLayout:
 
 
 def readout(
-    result: AcceptResult, tree: DraftTree | None, stamps: torch.Tensor | None
+    result: AcceptResult, tree: DraftTree | None, stamps: torch.Tensor | None, tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ProbeLayout | None]:
     """The step's readback and its probe layout. `tree` None: no probe, the token part alone (and no layout);
-    `stamps` ([stages + 1] int64 on the device) None: a probe without stamps."""
+    `stamps` ([stages + 1] int64 on the device) None: a probe without stamps; `tail` ([n, columns] int64)
+    columns to append after the rest (the layout's `width` does not count them)."""
     tokens = torch.cat([result.accepted[:, None], result.path_tokens, result.bonus[:, None]], dim=1)  # [n, start]
     if tree is None:
-        return tokens, None
+        return (tokens if tail is None else torch.cat([tokens, tail], dim=1)), None
     layout = ProbeLayout(int(tokens.shape[1]), tree.width, 0 if stamps is None else int(stamps.numel()))
     bits = tree.log_probs.float().view(torch.int32).to(torch.int64)  # [n, nodes] exact bit patterns
     parts = [tokens, tree.depths.to(torch.int64), tree.tokens.to(torch.int64), tree.parents.to(torch.int64), bits]
     if stamps is not None:
         parts.append(stamps[None, :].expand(tokens.shape[0], -1))  # [n, stages + 1]
-    return torch.cat(parts, dim=1), layout  # [n, layout.width]
+    if tail is not None:
+        parts.append(tail)
+    return torch.cat(parts, dim=1), layout  # [n, layout.width + tail columns]
 
 
 class ReadbackProbe:

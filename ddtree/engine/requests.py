@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, LogprobLayout, read_row
+
+Alternatives = list[tuple[int, float]]  # (token id, log-probability), most probable first
 
 
 @dataclass(frozen=True)
@@ -17,11 +24,24 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     request_id: str = ""  # what telemetry calls it; empty: the session makes one up
     trace_parent: str | None = None  # a W3C `traceparent` for the request's span
+    top_p: float = 1.0  # in (0, 1]: sample from the smallest most-probable set reaching it (1: off)
+    top_k: int = 0  # sample from the k most probable tokens (0: off); both filter the T-scaled distribution
+    logprobs: int | None = None  # None: none; 0: each emitted token's; N <= MAX_TOP_LOGPROBS: and N alternatives
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-p or top-k cuts this request's samples (never at T = 0: greedy is unfiltered)."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
 
 
 @dataclass
 class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    # With `Request.logprobs` set, one entry per token of `token_ids`: the target's log-probability of it (raw:
+    # log-softmax of its logits, before temperature, top-k, top-p), and the `Request.logprobs` most probable
+    # tokens there (an empty list each when it is 0). Both stay empty for a request that asks for none.
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[Alternatives] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
     budgets: list[int] = field(default_factory=list)  # per step: the tree's draft nodes (0: an ar step)
     finished: bool = False
@@ -30,16 +50,27 @@ class RequestOutput:
 
 class FirstTokens:
     """The prefill's first tokens of requests that joined together, on their way to the host: `read` waits for
-    the copy the first time one of them is needed, so a join never waits for the device."""
+    the copy the first time one of them is needed, so a join never waits for the device. With `layout`, each
+    request's row is `[token, log-probability columns (ddtree.engine.logprobs)]`, else the token alone."""
 
-    def __init__(self, ticket: Any, wait: Callable[[Any], Any]) -> None:
+    def __init__(self, ticket: Any, wait: Callable[[Any], Any], layout: LogprobLayout | None = None) -> None:
         self._ticket, self._wait = ticket, wait  # a `Readback` ticket and that reader's `wait`
-        self._values: list[int] | None = None
+        self._layout = layout
+        self._values: np.ndarray | None = None  # [requests] or [requests, 1 + layout.columns] int64
+
+    def _rows(self) -> np.ndarray:
+        if self._values is None:
+            self._values = np.asarray(self._wait(self._ticket), dtype=np.int64)
+        return self._values
 
     def read(self, index: int) -> int:
-        if self._values is None:
-            self._values = [int(t) for t in self._wait(self._ticket)]
-        return self._values[index]
+        values = self._rows()
+        return int(values[index] if self._layout is None else values[index, 0])
+
+    def logprobs(self, index: int, top: int) -> tuple[list[float], list[Alternatives]]:
+        """The first token's log-probability and its `top` alternatives (the prefill computed them)."""
+        assert self._layout is not None, "a prefill computes log-probabilities when a request asks for them"
+        return read_row(self._rows()[index, 1:], self._layout, 1, top)
 
 
 @dataclass
@@ -57,17 +88,24 @@ class Slot:
             return False
         group, index = self.first
         self.first = None
-        emit(self, [group.read(index)])
+        top = self.request.logprobs
+        emit(self, [group.read(index)], *(() if top is None else group.logprobs(index, top)))
         return self.output.finished
 
 
-def emit(entry: Slot, tokens: list[int]) -> None:
-    """Append tokens up to the request's limit or its first end-of-sequence token."""
+def emit(
+    entry: Slot, tokens: list[int], logprobs: list[float] | None = None, top: list[Alternatives] | None = None
+) -> None:
+    """Append tokens up to the request's limit or its first end-of-sequence token, and with `logprobs` (and
+    `top`, one entry per token each) their log-probabilities."""
     out, limit, eos = entry.output, entry.request.max_new_tokens, entry.request.eos_token_ids
-    for token in tokens:
+    for i, token in enumerate(tokens):
         if len(out.token_ids) >= limit:
             break
         out.token_ids.append(token)
+        if logprobs is not None:
+            out.logprobs.append(logprobs[i])
+            out.top_logprobs.append(top[i] if top is not None else [])
         if token in eos:
             out.finished, out.finish_reason = True, "stop"
             return
@@ -115,7 +153,18 @@ def check_request(request: Request, needed: int, capacity: int) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
     if request.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+    check_filters(request.top_p, request.top_k, request.logprobs)
     if needed > capacity:
         raise ValueError(
             f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"
         )
+
+
+def check_filters(top_p: float, top_k: int, logprobs: int | None) -> None:
+    """ValueError for a top-p, top-k or logprobs setting out of range."""
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0 or top_k != int(top_k):
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
+    if logprobs is not None and not (0 <= logprobs <= MAX_TOP_LOGPROBS and logprobs == int(logprobs)):
+        raise ValueError(f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")

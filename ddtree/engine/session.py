@@ -12,22 +12,31 @@ A step: draft -> tree_build -> verify -> accept, the plain functions of `ddtree.
 device-to-host transfer, the accepted tokens, which the caller needs anyway. With an observer, what telemetry
 needs of the device (the tree, and on a graphed GPU the stages' device clock stamps) rides along in the same
 rows (`ddtree.engine.probe`) and reaches the observer as `on_probe`; without one the rows are the tokens alone.
+A step in which some request asks for log-probabilities carries them at the end of the same rows
+(`ddtree.engine.logprobs`); the prefill's readback of the first tokens carries the first tokens' alike.
+
+What a step computes follows its requests, as flags known at launch that key its graphs: `sampled` (some
+request samples), `filtered` (some sampling request uses top-p or top-k) and `logprobs` (some request asks);
+a request's settings (temperature, top-p, top-k, seed) sit in per-slot tensors, set at its prefill.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step
-from ddtree.engine.graphs import GraphCache, StepRunner, Tensors, require_cuda
+from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
+from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
+from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
 from ddtree.engine.probe import split_rows
 from ddtree.engine.proposers import Proposer, make_proposer
 from ddtree.engine.readback import Readback, to_device
@@ -51,11 +60,12 @@ from ddtree.methods import TreeShape
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.observer import NOOP, GenerateInfo, RequestResult, StepObserver
-from ddtree.sampling import choose_tokens
 from ddtree.schedule import ShapeSchedule
 
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
+
+Scores = tuple[npt.NDArray[np.int64], LogprobLayout]  # a step's log-probability columns [rows, columns] on the host
 
 
 @dataclass
@@ -119,11 +129,26 @@ class DecodeSession:
         self.counts = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] real rows of `context`
         self.active = torch.zeros(slots, dtype=torch.bool, device=device)  # [slots] still decoding
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)  # [slots]
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)  # [slots] 1: off
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] 0: off
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # [slots]
         self.draw = torch.zeros(slots, dtype=torch.long, device=device)  # [slots] sampling draws so far
         self.slots: list[Slot | None] = [None] * slots
         self.steps = 0
         self._prefills = GraphCache(cuda_graphs)
+        settings = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        self._prefill_into = PrefillInto(
+            target,
+            self.proposer,
+            self.cache,
+            self.draft_cache,
+            settings,
+            self.draw,
+            self.root,
+            self.counts,
+            self.fused,
+            self.attention,
+        )
         # Fixed for the session's life (graphs are captured with it, `warm_up` included): with an observer every
         # step reads back a probe, stamped by the device when its graph is one that can stamp.
         self.probed = observer is not NOOP
@@ -290,49 +315,12 @@ class DecodeSession:
         width = max(len(r.prompt) for r in requests)
         if self.cuda_graphs:
             width = min(self.capacity, round_up(width, PREFILL_BUCKET))
-        inputs = {
-            "tokens": to_device([r.prompt + [0] * (width - len(r.prompt)) for r in requests], device),  # [k, width]
-            "lengths": to_device([len(r.prompt) for r in requests], device),  # [k]
-            "index": to_device(ids, device),  # [k] the slots
-            "temperature": to_device([r.temperature for r in requests], device).float(),  # [k]
-            "seed": to_device([r.seed for r in requests], device),  # [k]
-        }
-        sampled = any(r.temperature > 0 for r in requests)
-        tensors = self._prefills.run((len(requests), width, sampled), self._prefill_stage(sampled), inputs)
+        inputs = prefill_inputs(ids, requests, width, device)
+        flags = PrefillFlags.of(requests)
+        tensors = self._prefills.run((len(requests), width, flags), prefill_stage(self._prefill_into, flags), inputs)
         reader = Readback(device, 1)
-        return FirstTokens(reader.start(tensors["first"]), reader.wait)
-
-    def _prefill_stage(self, sampled: bool) -> Callable[[Tensors], None]:
-        def run(tensors: Tensors) -> None:
-            tokens, lengths, index = tensors["tokens"], tensors["lengths"], tensors["index"]
-            k, width = tokens.shape
-            device = tokens.device
-            steps = torch.arange(width, device=device)
-            real = steps[None, :] < lengths[:, None]  # [k, width]
-            causal = torch.tril(torch.ones((width, width), dtype=torch.bool, device=device))
-            visible = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
-            scratch = self.target.new_cache(k, width)
-            positions = steps.expand(k, -1)
-            last = (lengths - 1)[:, None]
-            out = self.target.forward(
-                tokens, positions, visible, scratch, width, last, self.fused, self.attention, any_shape=True
-            )
-            scratch.lengths.copy_(lengths)
-            self.cache.load_rows(index, scratch)
-            draft_scratch = self.proposer.new_cache(k, width)
-            if self.draft_cache is not None and draft_scratch is not None:
-                self.proposer.append_context(out.features, lengths, draft_scratch)
-                self.draft_cache.load_rows(index, draft_scratch)
-            self.temperature[index] = tensors["temperature"]
-            self.seed[index] = tensors["seed"]
-            draw = torch.zeros_like(index)  # the prefill is each request's draw 0
-            first = choose_tokens(out.logits, tensors["temperature"], tensors["seed"], draw, sampled)[:, 0]  # [k]
-            self.draw.index_fill_(0, index, 1)
-            self.root[index] = first
-            self.counts.index_fill_(0, index, 0)
-            tensors["first"] = first
-
-        return run
+        layout = LogprobLayout(1, alternatives(self.target.vocab_size)) if flags.scored else None
+        return FirstTokens(reader.start(tensors["first"]), reader.wait, layout)
 
     def _refresh_active(self) -> None:
         flags = [decoding(s) for s in self.slots]
@@ -358,39 +346,47 @@ class DecodeSession:
         return [self._finish(self._inflight.popleft()) for _ in range(len(self._inflight))]
 
     def _launch(self) -> None:
-        occupied = [s for s in self.slots if s is not None]
-        sampled = any(s.request.temperature > 0 and not s.output.finished for s in occupied)
+        occupied = [s.request for s in self.slots if s is not None and not s.output.finished]
+        sampled = any(r.temperature > 0 for r in occupied)
+        filtered = any(r.filtered for r in occupied)
+        scored = any(r.logprobs is not None for r in occupied)
         # Each step in flight may commit up to one tree's depth that the host has not read yet.
         ahead = (1 + len(self._inflight)) * self.proposer.width
-        span = max((s.length for s in occupied), default=0) + ahead + self.proposer.block
+        span = max((s.length for s in self.slots if s is not None), default=0) + ahead + self.proposer.block
         if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
         shape = self._forced or self.schedule.shape_for(sum(decoding(s) for s in self.slots))
         runner = self.runners[shape]
-        key = (rows.n, span, sampled)
+        key = (rows.n, span, sampled, filtered, scored)
         warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
         self.observer.on_step_start(self.steps, rows.n, warmup, shape)
-        state = runner.run(key, lambda: StepState(rows, span, sampled))
+        state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
         ticket = self._readback.start(state.out)
         self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape))
         self.steps += 1
 
     def _finish(self, launch: _Launch) -> list[int]:
-        host = self._read(launch)  # rows: [accepted, path tokens..., bonus]
+        host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
-        emitted = self._commit(host, launch.entries, launch.shape.budget)  # one entry per row of the step
+        emitted = self._commit(host, scores, launch)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
 
-    def _read(self, launch: _Launch) -> list[list[int]]:
-        """The step's token rows, after an explicit wait; a probe read back with them goes to the observer."""
-        layout = launch.state.layout
+    def _read(self, launch: _Launch) -> tuple[list[list[int]], Scores | None]:
+        """The step's token rows and, where asked for, its log-probability columns and their layout, after an
+        explicit wait; a probe read back with them goes to the observer."""
+        layout, scored = launch.state.layout, launch.state.scored
+        if layout is None and scored is None:
+            return self._readback.wait(launch.ticket), None
+        block = self._readback.wait_array(launch.ticket)
+        end = block.shape[1] - (0 if scored is None else scored.columns)  # where the log-probabilities start
+        scores = None if scored is None else (block[:, end:], scored)
         if layout is None:
-            return self._readback.wait(launch.ticket)
-        rows, probe = split_rows(self._readback.wait_array(launch.ticket), layout)
+            return block[:, :end].tolist(), scores
+        rows, probe = split_rows(block[:, :end], layout)
         self.observer.on_probe(launch.step, probe)
-        return rows
+        return rows, scores
 
     def _rows(self, n: int) -> Rows:
         """Views of the first `n` slots (made once per `n`: graphs captured on them replay on them)."""
@@ -403,6 +399,8 @@ class DecodeSession:
                 self.counts[:n],
                 self.active[:n],
                 self.temperature[:n],
+                self.top_p[:n],
+                self.top_k[:n],
                 self.seed[:n],
                 self.draw[:n],
                 self.cache.narrow(n),
@@ -416,14 +414,15 @@ class DecodeSession:
         if stage == stages.STAGE_TREE_BUILD:
             self.observer.on_tree(state.tree)
 
-    def _commit(self, host: list[list[int]], launched_with: list[Slot | None], budget: int) -> list[int]:
-        """Give each slot that decoded in this step and still does its accepted drafts and bonus, after its
-        prefill's token if that was still unread; return how many tokens each of the step's rows (the first
-        slots) kept."""
+    def _commit(self, host: list[list[int]], scores: Scores | None, launch: _Launch) -> list[int]:
+        """Give each slot that decoded in this step and still does its accepted drafts and bonus (and their
+        log-probabilities where asked for, from `scores`), after its prefill's token if that was still unread;
+        return how many tokens each of the step's rows (the first slots) kept."""
         emitted = [0] * len(host)
         finished_now = False
+        budget = launch.shape.budget
         for i, (entry, row) in enumerate(zip(self.slots, host, strict=False)):
-            if entry is None or entry is not launched_with[i] or entry.output.finished:
+            if entry is None or entry is not launch.entries[i] or entry.output.finished:
                 continue
             n = row[0]
             entry.length += n + 1  # what the device committed
@@ -433,7 +432,9 @@ class DecodeSession:
             entry.output.acceptance_lengths.append(n + 1)
             entry.output.budgets.append(budget)
             before = len(entry.output.token_ids)
-            emit(entry, [*row[2 : 2 + n], row[-1]])
+            top = entry.request.logprobs
+            asked = () if top is None or scores is None else read_row(scores[0][i], scores[1], n + 1, top)
+            emit(entry, [*row[2 : 2 + n], row[-1]], *asked)
             emitted[i] = len(entry.output.token_ids) - before
             finished_now |= entry.output.finished
         if finished_now:

@@ -7,9 +7,15 @@ session's per-slot tensors (`Rows` views them), which the stages update in place
 
     draft       rows.root, rows.context, rows.draft_cache -> logits [n, depth, vocab] (None for ar)
     tree_build  logits -> tree (DraftTree), ancestors [n, nodes, nodes]
-    verify      tree, ancestors, rows.cache -> choice [n, nodes] (the target's token at each node), features
+    verify      tree, ancestors, rows.cache -> choice [n, nodes] (the target's token at each node), features,
+                and with `logprobs` the target's log-probabilities at each node (scores)
     accept      tree, ancestors, choice -> result (AcceptResult); commits the accepted path to the caches
-    readout     result (and the tree, stamps when observed) -> out [n, columns], the one host readback
+    readout     result (and the tree, stamps when observed; the path's scores) -> out [n, columns], the one
+                host readback
+
+The flags a step is made with (`sampled`, `filtered`, `logprobs`) are known at launch from the requests
+decoding, and are part of the step's graph key: a step in which no request samples, filters or asks for
+log-probabilities does none of that work.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.accept import AcceptResult, accept
+from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, path_columns
 from ddtree.engine.probe import ProbeLayout, readout
 from ddtree.engine.proposers import Proposer
 from ddtree.kv_cache import KVCache
@@ -38,6 +45,8 @@ class Rows:
     counts: torch.Tensor  # [n] real rows of `context`
     active: torch.Tensor  # [n] still decoding
     temperature: torch.Tensor  # [n]
+    top_p: torch.Tensor  # [n] float (1: off)
+    top_k: torch.Tensor  # [n] int64 (0: off)
     seed: torch.Tensor  # [n]
     draw: torch.Tensor  # [n] sampling draws so far
     cache: KVCache
@@ -62,15 +71,19 @@ class StepState:
     rows: Rows
     span: int  # keys attended: the committed prefix plus what this step may write, bucketed on CUDA
     sampled: bool  # some row samples (T > 0)
+    filtered: bool = False  # some row that samples filters (top-p < 1 or top-k > 0)
+    logprobs: bool = False  # some row asks for log-probabilities
     stamps: torch.Tensor | None = None  # [stages + 1] int64: the device clock, written by a stamped graph
     logits: torch.Tensor | None = field(init=False)  # [n, depth, vocab] draft logits; None without a drafter
     tree: DraftTree = field(init=False)
     ancestors: torch.Tensor = field(init=False)  # [n, nodes, nodes] bool
     choice: torch.Tensor = field(init=False)  # [n, nodes] the target's token at each node
     features: torch.Tensor | None = field(init=False)  # [n, nodes, features] for the drafter's next context
+    scores: NodeLogprobs | None = field(init=False)  # the target's log-probabilities; None: not `logprobs`
     result: AcceptResult = field(init=False)
     out: torch.Tensor = field(init=False)  # [n, columns] int64, what the host reads back
     layout: ProbeLayout | None = field(init=False)  # where the probe sits in `out`; None: no probe
+    scored: LogprobLayout | None = field(init=False)  # the log-probabilities, `out`'s last columns; None: none
 
 
 def draft(m: StepModels, s: StepState) -> None:
@@ -89,7 +102,9 @@ def verify(m: StepModels, s: StepState) -> None:
     tokens[:, 0] = r.root
     positions = r.cache.lengths[:, None] + tree.depths
     verified = m.target.forward(tokens, positions, s.ancestors, r.cache, s.span, fused=m.fused, attention=m.attention)
-    s.choice = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, s.sampled)
+    top_p, top_k = (r.top_p, r.top_k) if s.filtered else (None, None)
+    s.choice = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, s.sampled, top_p, top_k)
+    s.scores = node_logprobs(verified.logits, s.choice) if s.logprobs else None
     s.features = verified.features
 
 
@@ -108,5 +123,7 @@ def accept_step(m: StepModels, s: StepState) -> None:
 
 
 def finish(m: StepModels, s: StepState) -> None:
-    """What the host reads back (after the last stage and its stamp): the tokens, and the probe if observed."""
-    s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps)
+    """What the host reads back (after the last stage and its stamp): the tokens, the probe if observed, and
+    the path's log-probabilities if asked for."""
+    tail, s.scored = (None, None) if s.scores is None else path_columns(s.scores, s.result.path)
+    s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps, tail)

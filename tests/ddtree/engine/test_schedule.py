@@ -14,6 +14,7 @@ from ddtree.methods import TreeShape
 from ddtree.schedule import BudgetSchedule, Choice
 from tests.helpers import random_prompts, tiny_pair
 
+
 def _schedule(*choices: tuple[int, int | None, int | None]) -> BudgetSchedule:
     return BudgetSchedule(
         tuple(Choice(rows, "ar" if budget is None else "ddtree", budget, topk) for rows, budget, topk in choices)
