@@ -352,6 +352,20 @@ def _mutants() -> list[Mutant]:
             SCHEDULE,
         ),
         Mutant(
+            "top-p-keeps-the-boundary-token",
+            "top-p keeps one token past the smallest set that reaches p",
+            "ddtree/sampling.py",
+            (("((before < p * cum[..., -1:]) | (p >= 1))", "((before <= p * cum[..., -1:]) | (p >= 1))"),),
+            ("tests/ddtree/test_sampling_filters.py",),
+        ),
+        Mutant(
+            "logprobs-of-the-first-nodes",
+            "the emitted tokens' log-probabilities are read at the tree's first nodes, not along the accepted path",
+            "ddtree/engine/logprobs.py",
+            (("_bits(scores.chosen.gather(1, path)),", "_bits(scores.chosen[:, :width]),"),),
+            ("tests/ddtree/engine/test_logprobs.py",),
+        ),
+        Mutant(
             "step-log-budget-of-the-requests",
             "the exporter logs each step with the requests' budget, not the tree the step verified",
             "telemetry/process.py",
