@@ -54,7 +54,9 @@ GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
 GEN_AI_PROMPT: Final = "gen_ai.prompt"  # content: only with DDTREE_LOG_CONTENT=1
 GEN_AI_COMPLETION: Final = "gen_ai.completion"  # content: only with DDTREE_LOG_CONTENT=1
+GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"  # what newer GenAI conventions call gen_ai.system
 GEN_AI_OPERATION_TEXT_COMPLETION: Final = "text_completion"
+GEN_AI_OPERATION_CHAT: Final = "chat"
 GEN_AI_SYSTEM_DDTREE: Final = "ddtree"
 
 # Metrics: instrument names, as the OTel SDK sees them.
@@ -114,11 +116,42 @@ PROM_TIME_TO_FIRST_TOKEN_SECONDS: Final = (
 PROM_TIME_PER_OUTPUT_TOKEN_SECONDS: Final = (
     "gen_ai_server_time_per_output_token_seconds"  # gen_ai.server.time_per_output_token
 )
-PROM_GENERATED_TOKENS_TOTAL: Final = "ddtree_generated_tokens_total"
+PROM_GENERATED_TOKENS_TOTAL: Final = "ddtree_generated_tokens_total"  # by endpoint; as generation_tokens below
 PROM_WAITING_REQUESTS: Final = "ddtree_waiting_requests"
 PROM_RUNNING_REQUESTS: Final = "ddtree_running_requests"
+PROM_SLOTS: Final = "ddtree_slots"  # the decode session's slots (--max-batch-size): running / slots is slot use
+# Per request, by the GenAI labels below (vLLM's counterpart after each).
+PROM_REQUEST_DURATION_SECONDS: Final = "gen_ai_server_request_duration_seconds"  # vllm:e2e_request_latency_seconds
+PROM_PROMPT_TOKENS_TOTAL: Final = "ddtree_prompt_tokens_total"  # vllm:prompt_tokens_total
+PROM_GENERATION_TOKENS_TOTAL: Final = "ddtree_generation_tokens_total"  # vllm:generation_tokens_total
+PROM_REQUEST_SUCCESS_TOTAL: Final = "ddtree_request_success_total"  # vllm:request_success_total{finished_reason}
+PROM_REQUEST_QUEUE_TIME_SECONDS: Final = "ddtree_request_queue_time_seconds"  # vllm:request_queue_time_seconds
+# Speculative decoding, always on, from the acceptance lengths and budgets each request is handed (by method
+# and model; vLLM's counterpart after each). A draft is one request's tree in one decode step.
+PROM_SPEC_DRAFTS_TOTAL: Final = "ddtree_spec_decode_drafts_total"  # vllm:spec_decode_num_drafts; + budget
+PROM_SPEC_DRAFT_TOKENS_TOTAL: Final = "ddtree_spec_decode_draft_tokens_total"  # vllm:spec_decode_num_draft_tokens
+PROM_SPEC_ACCEPTED_TOKENS_TOTAL: Final = (
+    "ddtree_spec_decode_accepted_tokens_total"  # vllm:spec_decode_num_accepted_tokens
+)
+PROM_SPEC_ACCEPTED_PER_POS_TOTAL: Final = (
+    "ddtree_spec_decode_accepted_tokens_per_pos_total"  # vllm:spec_decode_num_accepted_tokens_per_pos{position}
+)
+PROM_SPEC_REQUEST_ACCEPTANCE_LENGTH: Final = (
+    "ddtree_spec_decode_request_acceptance_length"  # per request: the mean of its steps' acceptance lengths
+)
 LABEL_ENDPOINT: Final = "endpoint"
 LABEL_STATUS: Final = "status"
+LABEL_MODEL: Final = "model_name"  # vLLM's label for the served model
+LABEL_BUDGET: Final = "budget"  # a step's draft nodes (0: an ar step)
+LABEL_POSITION: Final = "position"  # a draft's depth in the tree, 1 for the root's children (vLLM counts from 0)
+LABEL_FINISHED_REASON: Final = "finished_reason"  # stop, length, abort (cancelled, client gone), error
+LABEL_GEN_AI_OPERATION: Final = "gen_ai_operation_name"  # the GenAI attributes as Prometheus labels
+LABEL_GEN_AI_MODEL: Final = "gen_ai_request_model"
+LABEL_GEN_AI_PROVIDER: Final = "gen_ai_provider_name"
+GEN_AI_LABELS: Final = (LABEL_GEN_AI_OPERATION, LABEL_GEN_AI_MODEL, LABEL_GEN_AI_PROVIDER)
+FINISHED_ABORT: Final = "abort"  # LABEL_FINISHED_REASON values past the responses' "stop" and "length"
+FINISHED_ERROR: Final = "error"
+FINISHED_REASONS: Final = ("stop", "length", FINISHED_ABORT, FINISHED_ERROR)
 
 # Histogram buckets.
 ACCEPTANCE_LENGTH_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
@@ -145,6 +178,41 @@ STAGE_DURATION_BUCKETS: Final = (
 HTTP_DURATION_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TIME_TO_FIRST_TOKEN_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TIME_PER_OUTPUT_TOKEN_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# OTel GenAI's advice for gen_ai.server.request.duration.
+REQUEST_DURATION_BUCKETS: Final = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+QUEUE_TIME_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_ACCEPTANCE_LENGTH_BUCKETS: Final = (
+    1.0,
+    1.25,
+    1.5,
+    1.75,
+    2.0,
+    2.5,
+    3.0,
+    3.5,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    12.0,
+    16.0,
+)
 
 # Log events and fields.
 EVENT_STEP: Final = "ddtree.step"

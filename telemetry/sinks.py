@@ -187,7 +187,8 @@ def _metric_readers(
         where = f"{config.prometheus_host}:{config.prometheus_port}"
         raise TelemetryConfigError(f"cannot serve Prometheus metrics on {where}: {exc.strerror}") from exc
     closers.append(server.shutdown)
-    return [PrometheusMetricReader()], int(server.server_port)
+    # no `otel_scope_*` labels on every series and no `target_info` series: the scrape is the service's own
+    return [PrometheusMetricReader(disable_target_info=True, scope_info_enabled=False)], int(server.server_port)
 
 
 @dataclass

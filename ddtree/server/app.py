@@ -3,7 +3,8 @@
 - `POST /v1/completions`, `POST /v1/chat/completions`: whole, or streamed as server-sent events (see
   `ddtree.server.responses` for the format and `ddtree.server.schemas` for the fields and defaults).
 - `GET /v1/models`: the one served model. `GET /health`: 200 while the decode thread runs, else 503.
-  `GET /metrics`: Prometheus text (`ddtree.server.metrics`).
+  `GET /metrics`: Prometheus text (`ddtree.server.metrics`): HTTP, per request (from the handler's start) and
+  speculative-decoding metrics, always on; telemetry's step metrics appended with `DDTREE_DEBUG_METRICS=1`.
 - With an API key, `/v1/*` needs `Authorization: Bearer KEY` (else 401); `/health` and `/metrics` stay open,
   for probes and scrapers.
 - Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`; a body that does not validate is a
@@ -44,13 +45,14 @@ from ddtree.server.errors import ApiError, api_error_response, bad_request, shut
 from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
-from ddtree.server.metrics import MetricsMiddleware, ServerMetrics, telemetry_exposition
+from ddtree.server.metrics import MetricsMiddleware, RequestMeter, ServerMetrics, telemetry_exposition
 from ddtree.server.model import ServedModel, ServerSettings, load_model
 from ddtree.server.prompts import chat_prompt, completion_prompt
 from ddtree.server.responses import Reply, ddtree_block, usage_block
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling
 from ddtree.server.text import TextStream
 from ddtree.server.worker import DecodeWorker, QueueFull, WorkerStopped
+from telemetry import semconv as sc
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -72,7 +74,14 @@ def create_app(settings: ServerSettings, model: ServedModel | None = None) -> Fa
     """The app for `settings`; `model` (already loaded) lets tests build several apps on one pair."""
     served = model if model is not None else load_model(settings)
     worker = DecodeWorker(lambda: served.new_session(settings.max_batch_size), settings.max_queue)
-    metrics = ServerMetrics(worker.waiting, worker.running, served.telemetry.dropped)
+    metrics = ServerMetrics(
+        worker.waiting,
+        worker.running,
+        served.telemetry.dropped,
+        slots=worker.slots,
+        model=served.model_id,
+        method=served.generation.method,
+    )
     state = ServerState(settings, served, worker, metrics, int(time.time()))
 
     @asynccontextmanager
@@ -157,19 +166,23 @@ async def models(request: Request) -> dict[str, Any]:
 
 @_v1.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = _state(request)
+    arrived, state = time.perf_counter(), _state(request)
     prompt = await _tokenised(state, body, lambda: completion_prompt(state.model, body.prompt))
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
-    return await _generate(state, request, body, prompt, max_tokens, chat=False)
+    return await _generate(
+        state, request, body, prompt, max_tokens, state.metrics.meter(request.url.path, False, arrived)
+    )
 
 
 @_v1.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
-    state = _state(request)
+    arrived, state = time.perf_counter(), _state(request)
     prompt = await _tokenised(state, body, lambda: chat_prompt(state.model, body.messages))
     asked = body.new_tokens()
     max_tokens = asked if asked is not None else max(state.model.max_model_len - len(prompt), 1)
-    return await _generate(state, request, body, prompt, max_tokens, chat=True)
+    return await _generate(
+        state, request, body, prompt, max_tokens, state.metrics.meter(request.url.path, True, arrived)
+    )
 
 
 async def _tokenised(state: ServerState, body: Sampling, tokenise: Callable[[], list[int]]) -> list[int]:
@@ -187,12 +200,13 @@ async def _tokenised(state: ServerState, body: Sampling, tokenise: Callable[[], 
 
 
 async def _generate(
-    state: ServerState, request: Request, body: Sampling, prompt: list[int], max_tokens: int, chat: bool
+    state: ServerState, request: Request, body: Sampling, prompt: list[int], max_tokens: int, meter: RequestMeter
 ) -> Response:
+    chat = meter.chat
     _check_length(len(prompt), max_tokens, state.model.max_model_len, "messages" if chat else "prompt")
     reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     traced = (reply_id, request.headers.get("traceparent"))  # telemetry's request id, the client's trace
-    generation = _start(state, request.url.path, body, prompt, max_tokens, traced)
+    generation = _start(state, meter, body, prompt, max_tokens, traced)
     reply = Reply(
         id=reply_id,
         created=int(time.time()),
@@ -200,13 +214,13 @@ async def _generate(
         chat=chat,
         include_usage=body.include_usage(),
     )
-    path, streaming = request.url.path, False
+    streaming = False
     try:
         async with abandon_on_disconnect(request.receive, generation):
             await generation.started()
             if body.stream:
                 streaming = True
-                return StreamingResponse(_events(state, path, generation, reply), media_type="text/event-stream")
+                return StreamingResponse(_events(state, generation, reply), media_type="text/event-stream")
             text = await generation.text()
     except GenerationFailed as exc:
         if state.draining:
@@ -217,12 +231,17 @@ async def _generate(
     finally:
         if not streaming:  # the stream closes the generation itself
             generation.close()
-            _count_tokens(state, path, generation)
+            _ended(generation)
     return JSONResponse(reply.body(text, generation.finish_reason or "length", *_blocks(state, generation)))
 
 
 def _start(
-    state: ServerState, path: str, body: Sampling, prompt: list[int], max_tokens: int, traced: tuple[str, str | None]
+    state: ServerState,
+    meter: RequestMeter,
+    body: Sampling,
+    prompt: list[int],
+    max_tokens: int,
+    traced: tuple[str, str | None],
 ) -> Generation:
     model = state.model
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
@@ -231,7 +250,7 @@ def _start(
     eos = model.generation.eos_token_ids
     request = DecodeRequest(prompt, max_tokens, temperature, seed, eos, request_id, trace_parent)
     text = TextStream(model.tokenizer, prompt, body.stop_list())
-    generation = Generation(state.worker, request, text, state.metrics.first_token.labels(path).observe)
+    generation = Generation(state.worker, request, text, meter)
     try:
         generation.submit()
     except QueueFull:
@@ -249,7 +268,7 @@ def _start(
     return generation
 
 
-async def _events(state: ServerState, path: str, generation: Generation, reply: Reply) -> AsyncIterator[str]:
+async def _events(state: ServerState, generation: Generation, reply: Reply) -> AsyncIterator[str]:
     """The SSE stream. Its end, a failure or a cancelled stream (the client went away) cancels the job."""
     try:
         for chunk in reply.opening():
@@ -265,7 +284,7 @@ async def _events(state: ServerState, path: str, generation: Generation, reply: 
         yield "data: [DONE]\n\n"
     finally:
         generation.close()
-        _count_tokens(state, path, generation)
+        _ended(generation)
 
 
 def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int], dict[str, Any]]:
@@ -278,12 +297,12 @@ def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int],
     return usage, ddtree
 
 
-def _count_tokens(state: ServerState, path: str, generation: Generation) -> None:
-    tokens = generation.completion_tokens
-    state.metrics.generated.labels(path).inc(tokens)
-    if tokens > 1 and generation.first_token_at is not None:
-        per_token = (time.perf_counter() - generation.first_token_at) / (tokens - 1)
-        state.metrics.per_token.labels(path).observe(per_token)
+def _ended(generation: Generation) -> None:
+    """The response has ended: meter the request (its finish reason: an error, or abort where it ended early)."""
+    reason = generation.finish_reason or (sc.FINISHED_ERROR if generation.failed else sc.FINISHED_ABORT)
+    job = generation.job
+    queued = (job.queued_at, job.joined_at)
+    generation.meter.end(reason, generation.completion_tokens, generation.acceptance_lengths, queued)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

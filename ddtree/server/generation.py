@@ -3,18 +3,19 @@
 The decode thread posts `Update`s to an asyncio queue of the request's own through
 `loop.call_soon_threadsafe`; the handler awaits them and never blocks the thread. A stop string that
 matches, a client that went away, or a handler that ends for any other reason cancels the job (`close`),
-which frees its slot at the next step boundary.
+which frees its slot at the next step boundary. Each update taken is metered (`ddtree.server.metrics`): the
+first token, the tokens and the steps' acceptance lengths and budgets, on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from ddtree.engine.requests import Request
+from ddtree.server.metrics import RequestMeter
 from ddtree.server.text import TextStream
 from ddtree.server.worker import DecodeWorker, Job, Update
 
@@ -30,21 +31,18 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(
-        self, worker: DecodeWorker, request: Request, text: TextStream, on_first_token: Callable[[float], None]
-    ) -> None:
+    def __init__(self, worker: DecodeWorker, request: Request, text: TextStream, meter: RequestMeter) -> None:
         self._loop = asyncio.get_running_loop()
         self._updates: asyncio.Queue[Update] = asyncio.Queue()
         self._worker = worker
         self._text = text
-        self._on_first_token = on_first_token
-        self._started = time.perf_counter()
-        self.first_token_at: float | None = None  # perf_counter time of the first token
+        self.meter = meter
         self._pending: Update | None = None
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
         self.step_budgets: list[int] = []
         self.finish_reason: str | None = None
+        self.failed = False  # the decode thread failed it
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,16 +92,18 @@ class Generation:
         if update.error == CLIENT_GONE:
             raise ClientGone(update.error)
         if update.error is not None:
+            self.failed = True
             raise GenerationFailed(update.error)
         return update
 
     def _take(self, update: Update) -> str:
-        if update.token_ids and self._text.tokens == 0:
-            self.first_token_at = time.perf_counter()
-            self._on_first_token(self.first_token_at - self._started)
+        before = self._text.tokens
+        if update.token_ids and before == 0:
+            self.meter.first_token(self.prompt_tokens)
         self.acceptance_lengths += update.acceptance_lengths
         self.step_budgets += update.budgets
         text = self._text.feed(update.token_ids)
+        self.meter.took(self._text.tokens - before, update.acceptance_lengths, update.budgets)
         if self._text.stopped:
             self.finish_reason = "stop"
             self.close()

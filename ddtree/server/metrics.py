@@ -1,29 +1,58 @@
 """The server's Prometheus metrics, in a registry of each app's own, and the ASGI middleware that counts.
 
-- `ddtree_http_requests_total{endpoint, status}` and `ddtree_http_request_duration_seconds{endpoint}`: every
-  HTTP request, counted when its response ends (a stream: when its last chunk is sent or the client goes);
-  paths other than the server's routes are counted as endpoint `other`.
-- `gen_ai_server_time_to_first_token_seconds{endpoint}`: from the handler's start to the prefill's first token.
-- `gen_ai_server_time_per_output_token_seconds{endpoint}`: per request of two or more tokens, the time after the
-  first token over the tokens after it (OTel GenAI's `gen_ai.server.time_per_output_token`).
-- `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response (`usage`), stop strings
-  and disconnects included up to where the response ended.
-- `ddtree_waiting_requests`, `ddtree_running_requests`: gauges read from the decode thread at scrape time.
-- `ddtree_telemetry_dropped_records_total{kind}`: telemetry records (kind `step`, or `request` for a request's
-  start or end) that a slow or stalled sink made telemetry drop, counted where they are dropped, in this process;
-  0 while telemetry keeps every record, absent when telemetry is off.
+Every name is in `telemetry.semconv`; docs/serving.md lists them with their vLLM and OTel counterparts.
+
+HTTP, by endpoint (the server's routes; other paths are `other`), counted when a response ends (a stream: when
+its last chunk is sent or the client goes):
+- `ddtree_http_requests_total{endpoint, status}`, `ddtree_http_request_duration_seconds{endpoint}`.
+
+Per generation request, labelled with OTel GenAI's attributes (`gen_ai_operation_name` "text_completion" or
+"chat", `gen_ai_request_model`, `gen_ai_provider_name` "ddtree"); TTFT and TPOT keep `endpoint` too:
+- `gen_ai_server_request_duration_seconds`: from the handler's start to the response's end.
+- `gen_ai_server_time_to_first_token_seconds`: from the handler's start to the prefill's first token.
+- `gen_ai_server_time_per_output_token_seconds`: per request of two or more tokens, the time after the first
+  token over the tokens after it.
+- `ddtree_request_queue_time_seconds`: from `submit` to the decode thread taking the request into a slot.
+- `ddtree_prompt_tokens_total` (at the first token: the prompt was prefilled), `ddtree_generation_tokens_total`
+  (as tokens arrive; the response's `usage` once it ends), `ddtree_request_success_total{finished_reason}`
+  (stop, length, abort: the client went away or the job was cancelled, error: the generation failed).
+- `ddtree_generated_tokens_total{endpoint}`: the completion tokens of each response, counted at its end (the
+  older name; `ddtree_generation_tokens_total` counts the same tokens by the GenAI labels).
+
+Speculative decoding, by `method` and `model_name`, from the acceptance lengths and budgets the decode thread
+hands each request (host data it has anyway: no device sync, no flag). A draft is one request's tree in one
+step; counted as the request takes its update, so they reconcile with the responses' `ddtree` blocks:
+- `ddtree_spec_decode_drafts_total{budget}`: request steps, by the step's budget (0: an `ar` step).
+- `ddtree_spec_decode_draft_tokens_total`: draft nodes verified (each step's budget).
+- `ddtree_spec_decode_accepted_tokens_total`: drafts accepted (the bonus token excluded).
+- `ddtree_spec_decode_accepted_tokens_per_pos_total{position}`: drafts accepted at depth 1, 2, ...
+- `ddtree_spec_decode_request_acceptance_length`: histogram of each request's mean acceptance length (tau)
+  when it ends, over its steps (requests of no step are not observed).
+
+PromQL: `1 + rate(accepted[5m]) / rate(drafts[5m])` is tau per request step, `rate(accepted[5m]) /
+rate(draft_tokens[5m])` the share of verified drafts accepted, `sum by (position) (rate(per_pos[5m])) / on()
+group_left() sum(rate(drafts[5m]))` the acceptance rate at each depth.
+
+Server state, read at scrape time: `ddtree_waiting_requests`, `ddtree_running_requests`, `ddtree_slots`;
+`ddtree_telemetry_dropped_records_total{kind}`: telemetry records (kind `step`, or `request` for a request's
+start or end) that a slow or stalled sink made telemetry drop, in this process; absent when telemetry is off.
+
+No `_created` series: the exposition leaves them out (prometheus-client's `disable_created_metrics()` would
+do it for every registry of the process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,6 +61,7 @@ from telemetry import semconv as sc
 TELEMETRY_SCRAPE_TIMEOUT_S = 1.0  # the telemetry exporter answers on loopback in milliseconds
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 OTHER = "other"
+OPERATIONS = (sc.GEN_AI_OPERATION_TEXT_COMPLETION, sc.GEN_AI_OPERATION_CHAT)
 
 
 class _Dropped(Collector):
@@ -54,12 +84,89 @@ class _Dropped(Collector):
         yield family
 
 
+class _WithoutCreated(Collector):
+    """A registry's families without their `_created` samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():  # fresh objects each collect
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+class Speculation:
+    """The speculative-decoding counters of one served model and method."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, method: str) -> None:
+        labels = [sc.LABEL_METHOD, sc.LABEL_MODEL]
+        self.key = (method, model)
+        self.drafts = Counter(
+            sc.PROM_SPEC_DRAFTS_TOTAL,
+            "Drafts verified: one per request per decode step, by the step's budget (0: an ar step)",
+            [*labels, sc.LABEL_BUDGET],
+            registry=registry,
+        )
+        self.draft_tokens = Counter(
+            sc.PROM_SPEC_DRAFT_TOKENS_TOTAL, "Draft tokens verified (tree nodes)", labels, registry=registry
+        ).labels(*self.key)
+        self.accepted = Counter(
+            sc.PROM_SPEC_ACCEPTED_TOKENS_TOTAL, "Draft tokens accepted (bonus excluded)", labels, registry=registry
+        ).labels(*self.key)
+        self.per_position = Counter(
+            sc.PROM_SPEC_ACCEPTED_PER_POS_TOTAL,
+            "Draft tokens accepted at each depth of the tree (1: the root's children)",
+            [*labels, sc.LABEL_POSITION],
+            registry=registry,
+        )
+        self.request_length = Histogram(
+            sc.PROM_SPEC_REQUEST_ACCEPTANCE_LENGTH,
+            "Per request, when it ends: the mean of its steps' acceptance lengths (accepted drafts + 1), tau",
+            labels,
+            buckets=sc.REQUEST_ACCEPTANCE_LENGTH_BUCKETS,
+            registry=registry,
+        ).labels(*self.key)
+
+    def steps(self, lengths: list[int], budgets: list[int]) -> None:
+        """One update's steps: their acceptance lengths and budgets (draft nodes), one entry per step."""
+        if len(lengths) != len(budgets):
+            raise ValueError(f"{len(lengths)} acceptance lengths but {len(budgets)} budgets")
+        for budget, count in collections.Counter(budgets).items():
+            self.drafts.labels(*self.key, str(budget)).inc(count)
+        accepted = [length - 1 for length in lengths]
+        self.draft_tokens.inc(sum(budgets))
+        self.accepted.inc(sum(accepted))
+        for position in range(1, max(accepted, default=0) + 1):
+            reached = sum(1 for n in accepted if n >= position)
+            self.per_position.labels(*self.key, str(position)).inc(reached)
+
+    def request_done(self, lengths: list[int]) -> None:
+        if lengths:
+            self.request_length.observe(sum(lengths) / len(lengths))
+
+
 class ServerMetrics:
     def __init__(
-        self, waiting: Callable[[], int], running: Callable[[], int], dropped: Callable[[], dict[str, int]] = dict
+        self,
+        waiting: Callable[[], int],
+        running: Callable[[], int],
+        dropped: Callable[[], dict[str, int]] = dict,
+        slots: Callable[[], int] = lambda: 0,
+        model: str = "",
+        method: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_Dropped(dropped))
+        self.model = model
+        self._http()
+        self._requests()
+        self.speculation = Speculation(self.registry, model, method)
+        Gauge(sc.PROM_WAITING_REQUESTS, "Requests waiting for a slot", registry=self.registry).set_function(waiting)
+        Gauge(sc.PROM_RUNNING_REQUESTS, "Requests in the decode session", registry=self.registry).set_function(running)
+        Gauge(sc.PROM_SLOTS, "Slots of the decode session", registry=self.registry).set_function(slots)
+
+    def _http(self) -> None:
         self.requests = Counter(
             sc.PROM_HTTP_REQUESTS_TOTAL,
             "HTTP requests by endpoint and status",
@@ -73,32 +180,118 @@ class ServerMetrics:
             buckets=sc.HTTP_DURATION_BUCKETS,
             registry=self.registry,
         )
+
+    def _requests(self) -> None:
+        gen_ai, timed = list(sc.GEN_AI_LABELS), [sc.LABEL_ENDPOINT, *sc.GEN_AI_LABELS]
+        registry = self.registry
+        self.request_duration = Histogram(
+            sc.PROM_REQUEST_DURATION_SECONDS,
+            "Generation request duration, from the handler's start to the response's end",
+            gen_ai,
+            buckets=sc.REQUEST_DURATION_BUCKETS,
+            registry=registry,
+        )
         self.first_token = Histogram(
             sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS,
             "Time from a request's arrival to its first generated token",
-            [sc.LABEL_ENDPOINT],
+            timed,
             buckets=sc.TIME_TO_FIRST_TOKEN_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self.per_token = Histogram(
             sc.PROM_TIME_PER_OUTPUT_TOKEN_SECONDS,
             "Time per output token after the first: (end - first token) / (tokens - 1), per request",
-            [sc.LABEL_ENDPOINT],
+            timed,
             buckets=sc.TIME_PER_OUTPUT_TOKEN_BUCKETS,
-            registry=self.registry,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            sc.PROM_REQUEST_QUEUE_TIME_SECONDS,
+            "Time a request waited for a slot, from its submission to joining the decode session",
+            gen_ai,
+            buckets=sc.QUEUE_TIME_BUCKETS,
+            registry=registry,
         )
         self.generated = Counter(
-            sc.PROM_GENERATED_TOKENS_TOTAL, "Completion tokens returned", [sc.LABEL_ENDPOINT], registry=self.registry
+            sc.PROM_GENERATED_TOKENS_TOTAL, "Completion tokens returned", [sc.LABEL_ENDPOINT], registry=registry
         )
-        Gauge(sc.PROM_WAITING_REQUESTS, "Requests waiting for a slot", registry=self.registry).set_function(waiting)
-        Gauge(sc.PROM_RUNNING_REQUESTS, "Requests in the decode session", registry=self.registry).set_function(running)
+        self.prompt_tokens = Counter(sc.PROM_PROMPT_TOKENS_TOTAL, "Prompt tokens prefilled", gen_ai, registry=registry)
+        self.generation_tokens = Counter(
+            sc.PROM_GENERATION_TOKENS_TOTAL, "Completion tokens generated", gen_ai, registry=registry
+        )
+        self.success = Counter(
+            sc.PROM_REQUEST_SUCCESS_TOTAL,
+            "Generation requests ended, by finish reason (abort: cancelled or the client went away; error: failed)",
+            [*gen_ai, sc.LABEL_FINISHED_REASON],
+            registry=registry,
+        )
+        for operation in OPERATIONS:  # zeros from the start: rate() sees the first request, panels show 0
+            labels = self.gen_ai_labels(operation)
+            self.prompt_tokens.labels(*labels)
+            self.generation_tokens.labels(*labels)
+            for reason in sc.FINISHED_REASONS:
+                self.success.labels(*labels, reason)
+
+    def gen_ai_labels(self, operation: str) -> tuple[str, str, str]:
+        """The values of `semconv.GEN_AI_LABELS` for a request of this operation."""
+        return operation, self.model, sc.GEN_AI_SYSTEM_DDTREE
 
     def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         self.duration.labels(endpoint).observe(seconds)
+
+    def meter(self, endpoint: str, chat: bool, arrived: float) -> RequestMeter:
+        return RequestMeter(self, endpoint, chat, arrived)
+
+
+class RequestMeter:
+    """One generation request's metrics, called on the event loop: its first token, each update it takes (tokens
+    and steps) and its end. `arrived`, and every time given, is `time.perf_counter()`'s."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str, chat: bool, arrived: float) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.chat = chat
+        self.labels = metrics.gen_ai_labels(sc.GEN_AI_OPERATION_CHAT if chat else sc.GEN_AI_OPERATION_TEXT_COMPLETION)
+        self.arrived = arrived
+        self.first_token_at: float | None = None
+        self.ended = False
+
+    def first_token(self, prompt_tokens: int) -> None:
+        """The prefill's token reached the handler."""
+        self.first_token_at = now = time.perf_counter()
+        self.metrics.first_token.labels(self.endpoint, *self.labels).observe(now - self.arrived)
+        self.metrics.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+
+    def took(self, tokens: int, lengths: list[int], budgets: list[int]) -> None:
+        """An update: `tokens` more completion tokens, and its steps' acceptance lengths and budgets."""
+        if tokens:
+            self.metrics.generation_tokens.labels(*self.labels).inc(tokens)
+        if lengths:
+            self.metrics.speculation.steps(lengths, budgets)
+
+    def end(
+        self, finished_reason: str, tokens: int, lengths: list[int], queued: tuple[float | None, float | None]
+    ) -> None:
+        """The response ended (once; later calls do nothing): `tokens` completion tokens in all, every step's
+        acceptance length, and (queued_at, joined_at) of its job where it was queued and joined."""
+        if self.ended:
+            return
+        self.ended = True
+        metrics, labels, now = self.metrics, self.labels, time.perf_counter()
+        metrics.generated.labels(self.endpoint).inc(tokens)
+        metrics.success.labels(*labels, finished_reason).inc()
+        metrics.request_duration.labels(*labels).observe(now - self.arrived)
+        metrics.speculation.request_done(lengths)
+        queued_at, joined_at = queued
+        if queued_at is not None and joined_at is not None:
+            metrics.queue_time.labels(*labels).observe(max(joined_at - queued_at, 0.0))
+        if tokens > 1 and self.first_token_at is not None:
+            per_token = (now - self.first_token_at) / (tokens - 1)
+            metrics.per_token.labels(self.endpoint, *labels).observe(per_token)
 
 
 def endpoint_label(path: str) -> str:

@@ -3,6 +3,8 @@
 - `submit` puts a job in the waiting queue (at most `max_queue` jobs; `QueueFull` beyond) and returns at
   once. The job's `deliver` callback is how the thread hands back `Update`s; the app's callback posts them
   to the request's asyncio queue with `loop.call_soon_threadsafe`, so the thread never waits on a handler.
+  `submit` stamps the job's `queued_at`, and the thread its `joined_at` as it takes the job into a slot
+  (before the prefill): the handler's queue time.
 - Between steps the thread leaves cancelled slots, joins waiting jobs into free slots (continuous batching:
   a request that arrives mid-generation joins at the next step boundary), steps while a slot is active,
   delivers each request its new tokens and acceptance lengths, and leaves finished slots. With nothing to
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +61,8 @@ class Job:
     deliver: Callable[[Update], None]  # called on the decode thread; must not block
     cancelled: bool = False
     cancel_reason: str = "cancelled"  # the finish reason telemetry reports when it leaves early ("stop": a stop string)
+    queued_at: float | None = None  # perf_counter time of `submit`
+    joined_at: float | None = None  # perf_counter time the decode thread took it into a slot
 
 
 @dataclass
@@ -113,6 +118,7 @@ class DecodeWorker:
                 raise WorkerStopped(STOPPED)
             if len(self._waiting) >= self._max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot")
+            job.queued_at = time.perf_counter()
             self._waiting.append(job)
             self._cond.notify_all()
 
@@ -143,6 +149,11 @@ class DecodeWorker:
     def running(self) -> int:
         with self._cond:
             return len(self._running)
+
+    def slots(self) -> int:
+        """The session's slots (0 before `start`)."""
+        session = self.session
+        return session.num_slots if session is not None else 0
 
     # -- the decode thread --------------------------------------------------------------------------------
 
@@ -187,6 +198,9 @@ class DecodeWorker:
         jobs = [j for j in jobs if not j.cancelled]
         if not jobs:
             return
+        joined = time.perf_counter()
+        for job in jobs:
+            job.joined_at = joined
         try:
             slots = self._session().join([j.request for j in jobs])
         except Exception as exc:  # the session's slots are untouched: the others decode on

@@ -1,77 +1,118 @@
-"""The dashboards query only what a live exporter serves: names and labels read from its /metrics over HTTP
-while it runs (a decode with telemetry on, a dead trace endpoint so that drops are counted, and a stand-in
-NVML for the GPU gauges), not from `telemetry.semconv`."""
+"""The dashboards query only what a served run serves (names and labels read from a live `ddtree serve` with
+DDTREE_DEBUG_METRICS=1 and a stand-in GPU exporter over HTTP, not from `telemetry.semconv`); every panel's
+query, run by a real Prometheus scraping them under load, returns data; the dashboard asks for its data
+source on import; and the shipped `prometheus.yml` scrapes the server as the README starts it."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
-import pytest
+import httpx
 import yaml
 
-from ddtree.engine.engine import Engine, GenerationConfig
-from telemetry import TelemetryConfig, start_telemetry
-from tests.helpers import random_prompts, tiny_pair
-from tests.telemetry.live import STAND_IN_NVML, dead_endpoint, scrape_until
+from ddtree.cli.main import build_parser
+from telemetry import TelemetryConfig
+from tests import tools
+from tests.dashboards.conftest import Run, prometheus, query, wait_for
 
 ROOT = Path(__file__).resolve().parents[2] / "dashboards"
-Served = dict[str, set[str]]  # metric name -> the label names it is served with
+DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+NAME = re.compile(r"\b(?:ddtree|gen_ai)_[a-z_]+")
+ROWS = ("Traffic and latency", "Speculation", "Tree", "GPU")
 
 
-def _exporter(tmp_path: Path, name: str, **fields: object) -> TelemetryConfig:
-    base: dict[str, object] = {"enabled": True, "metrics_exporter": "prometheus", "prometheus_port": 0}
-    return TelemetryConfig(**{**base, "log_file": str(tmp_path / f"{name}.jsonl"), **fields})  # type: ignore[arg-type]
+def _dashboard() -> dict[str, Any]:
+    dashboard: dict[str, Any] = json.loads((ROOT / "grafana-ddtree.json").read_text())
+    return dashboard
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
-    tmp_path = tmp_path_factory.mktemp("live")
-    (tmp_path / "pynvml.py").write_text(STAND_IN_NVML)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(tmp_path))  # the exporter process imports the stand-in pynvml
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
-        decoding = start_telemetry(
-            _exporter(tmp_path, "decode", otlp_protocol="http/protobuf", otlp_endpoint=dead_endpoint())
-        )
-        gpu = start_telemetry(_exporter(tmp_path, "gpu", traces_exporter="none", nvml_interval_ms=50), "cuda")
-    try:
-        target, drafter = tiny_pair(0, vocab=16)
-        engine = Engine(target, drafter, observer=decoding.observer)
-        engine.generate(random_prompts(0, 2, vocab=16), GenerationConfig(budget=8, max_new_tokens=10))
-        samples = scrape_until(decoding.prometheus_port, lambda s: any("dropped" in n for n in s))
-        samples |= scrape_until(gpu.prometheus_port, lambda s: any("gpu" in n for n in s))
-    finally:
-        decoding.shutdown()
-        gpu.shutdown()
-    names: Served = {}
-    for name, rows in samples.items():
-        names.setdefault(name, set()).update(*(labels for labels, _ in rows))
-    return names
+def _panels() -> list[dict[str, Any]]:
+    return [p for p in _dashboard()["panels"] if p["type"] != "row"]
 
 
-def _queries() -> list[str]:
-    dashboard = json.loads((ROOT / "grafana-ddtree.json").read_text())
-    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+def _queries() -> list[tuple[str, str]]:
+    return [(panel["title"], target["expr"]) for panel in _panels() for target in panel["targets"]]
 
 
-def test_grafana_queries_only_metrics_a_live_exporter_serves(served: Served) -> None:
-    used = {name for expr in _queries() for name in re.findall(r"\bddtree_[a-z_]+", expr)}
-    assert len(used) >= 10 and used <= set(served), sorted(used - set(served))
+def test_grafana_queries_only_metrics_a_served_run_serves(run: Run) -> None:
+    used = {name for _, expr in _queries() for name in NAME.findall(expr)}
+    assert len(used) >= 25 and used <= set(run.served), sorted(used - set(run.served))
 
 
-def test_grafana_groups_only_by_labels_the_metric_has(served: Served) -> None:
+def test_grafana_groups_only_by_labels_the_metric_has(run: Run) -> None:
     grouped = 0
-    for expr in _queries():
+    for _, expr in _queries():
         for labels, inner in re.findall(r"by \(([^)]*)\)\s*\((.*?)\)\)", expr):
-            (name,) = re.findall(r"\bddtree_[a-z_]+", inner)
-            assert {x.strip() for x in labels.split(",")} <= served[name], expr
+            (name,) = NAME.findall(inner)
+            assert {x.strip() for x in labels.split(",")} <= run.served[name], expr
             grouped += 1
-    assert grouped >= 3
+    assert grouped >= 12
 
 
-def test_prometheus_config_scrapes_the_default_port() -> None:
+def test_the_dashboard_asks_for_its_data_source_and_every_panel_uses_it() -> None:
+    dashboard = _dashboard()
+    (source,) = dashboard["__inputs"]
+    assert (source["name"], source["type"], source["pluginId"]) == ("DS_PROMETHEUS", "datasource", "prometheus")
+    assert {"type": "datasource", "id": "prometheus"}.items() <= dashboard["__requires"][1].items()
+    assert {r["id"] for r in dashboard["__requires"]} >= {"grafana", "prometheus", "timeseries"}
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert all(target["datasource"] == DATASOURCE for target in panel["targets"]), panel["title"]
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert [next(r for r in ROWS if title.startswith(r)) for title in rows] == list(ROWS)
+    assert dashboard["panels"][0]["type"] == "row"  # every panel sits in a row
+
+
+def test_titles_say_per_request_or_per_step() -> None:
+    titles = [p["title"] for p in _panels()]
+    assert "Acceptance length per request (tau): p50, p90 and mean" in titles
+    assert "Accepted drafts per batched step" in titles
+    for title in titles:
+        if "acceptance length" in title.lower() or "percentile" in title or "p50" in title:
+            assert "per request" in title or "per batched step" in title, title
+
+
+@tools.PROMETHEUS
+def test_every_panel_query_returns_data_from_a_served_run(run: Run) -> None:
+    port = run.prometheus_port
+    assert port is not None
+    empty: list[str] = []
+
+    def all_have_data() -> bool:  # every rate() needs two scrapes in its window after the counters moved
+        empty[:] = [title for title, expr in _queries() if not query(port, expr)]
+        return not empty
+
+    assert wait_for(all_have_data), f"panels without data: {empty}"
+
+
+def test_prometheus_config_scrapes_the_server_as_the_readme_starts_it() -> None:
     config = yaml.safe_load((ROOT / "prometheus.yml").read_text())
-    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9464"]
-    assert TelemetryConfig.from_env({}).prometheus_port == 9464
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "ddtree"
+    assert job["static_configs"][0]["targets"] == [f"127.0.0.1:{build_parser().parse_args(['serve']).port}"]
+    text = (ROOT / "prometheus.yml").read_text()
+    assert f"127.0.0.1:{TelemetryConfig.from_env({}).prometheus_port}" in text  # the commented telemetry job
+
+
+@tools.PROMETHEUS
+def test_prometheus_with_the_shipped_config_finds_the_server_up(run: Run, tmp_path: Path) -> None:
+    text = (ROOT / "prometheus.yml").read_text()
+    port = run.url.rsplit(":", 1)[1]
+    assert text.count('"127.0.0.1:8000"') == 1
+    with prometheus(text.replace('"127.0.0.1:8000"', f'"127.0.0.1:{port}"'), tmp_path / "shipped") as prom_port:
+        targets: list[dict[str, Any]] = []
+
+        def up() -> bool:
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{prom_port}/api/v1/targets", timeout=5).json()
+            except httpx.HTTPError:
+                return False  # still starting
+            targets[:] = reply["data"]["activeTargets"]
+            return any(t["health"] == "up" for t in targets)
+
+        assert wait_for(up), targets
+    (target,) = targets
+    assert target["labels"]["job"] == "ddtree" and target["scrapeUrl"] == f"http://127.0.0.1:{port}/metrics"
