@@ -45,6 +45,7 @@ from ddtree.server.errors import ApiError, api_error_response, bad_request, shut
 from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
+from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import MetricsMiddleware, RequestMeter, ServerMetrics, telemetry_exposition
 from ddtree.server.model import ServedModel, ServerSettings, load_model
 from ddtree.server.prompts import chat_prompt, completion_prompt
@@ -232,7 +233,8 @@ async def _generate(
         if not streaming:  # the stream closes the generation itself
             generation.close()
             _ended(generation)
-    return JSONResponse(reply.body(text, generation.finish_reason or "length", *_blocks(state, generation)))
+    logprobs = generation.formatter.block(generation.scored) if generation.formatter else None
+    return JSONResponse(reply.body(text, generation.finish_reason or "length", *_blocks(state, generation), logprobs))
 
 
 def _start(
@@ -248,9 +250,22 @@ def _start(
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     request_id, trace_parent = traced
     eos = model.generation.eos_token_ids
-    request = DecodeRequest(prompt, max_tokens, temperature, seed, eos, request_id, trace_parent)
+    top = body.logprobs_count()
+    request = DecodeRequest(
+        prompt,
+        max_tokens,
+        temperature,
+        seed,
+        eos,
+        request_id,
+        trace_parent,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=body.top_k_value(),
+        logprobs=top,
+    )
     text = TextStream(model.tokenizer, prompt, body.stop_list())
     generation = Generation(state.worker, request, text, meter)
+    generation.formatter = LogprobFormatter(model.tokenizer, meter.chat, top) if top is not None else None
     try:
         generation.submit()
     except QueueFull:
@@ -274,8 +289,9 @@ async def _events(state: ServerState, generation: Generation, reply: Reply) -> A
         for chunk in reply.opening():
             yield chunk
         while (piece := await generation.next_text()) is not None:
-            if piece:
-                yield reply.piece(piece)
+            scored = generation.take_unsent()
+            if piece or scored:  # a chunk carries the log-probabilities of the tokens it completes
+                yield reply.piece(piece, generation.formatter.block(scored) if generation.formatter else None)
         for chunk in reply.ending(generation.finish_reason or "length", *_blocks(state, generation)):
             yield chunk
     except GenerationFailed as exc:

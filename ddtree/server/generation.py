@@ -15,9 +15,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from ddtree.engine.requests import Request
+from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import RequestMeter
 from ddtree.server.text import TextStream
-from ddtree.server.worker import DecodeWorker, Job, Update
+from ddtree.server.worker import DecodeWorker, Job, Scored, Update
 
 CLIENT_GONE = "the client disconnected"
 
@@ -41,6 +42,9 @@ class Generation:
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
         self.step_budgets: list[int] = []
+        self.scored: list[tuple[int, Scored]] = []  # per token kept, with logprobs asked for: (id, its scores)
+        self.unsent = 0  # of `scored`, the last ones no chunk has carried yet
+        self.formatter: LogprobFormatter | None = None  # set where the request asked for logprobs
         self.finish_reason: str | None = None
         self.failed = False  # the decode thread failed it
 
@@ -67,6 +71,12 @@ class Generation:
             return None
         update, self._pending = self._pending or await self._next_update(), None
         return self._take(update)
+
+    def take_unsent(self) -> list[tuple[int, Scored]]:
+        """The scored tokens that no stream chunk has carried yet (for the next one)."""
+        unsent = self.scored[len(self.scored) - self.unsent :] if self.unsent else []
+        self.unsent = 0
+        return unsent
 
     async def text(self) -> str:
         pieces = []
@@ -103,7 +113,11 @@ class Generation:
         self.acceptance_lengths += update.acceptance_lengths
         self.step_budgets += update.budgets
         text = self._text.feed(update.token_ids)
-        self.meter.took(self._text.tokens - before, update.acceptance_lengths, update.budgets)
+        kept = self._text.tokens - before  # a stop string drops the tokens after the one that completed it
+        if update.scores:
+            self.scored += zip(update.token_ids[:kept], update.scores[:kept], strict=True)
+            self.unsent += kept
+        self.meter.took(kept, update.acceptance_lengths, update.budgets)
         if self._text.stopped:
             self.finish_reason = "stop"
             self.close()

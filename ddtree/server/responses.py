@@ -68,8 +68,15 @@ class Reply:
     chat: bool
     include_usage: bool = False
 
-    def body(self, text: str, finish_reason: str, usage: dict[str, int], ddtree: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: dict[str, int],
+        ddtree: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -81,8 +88,8 @@ class Reply:
         """Chat streams open with the assistant's role, as OpenAI's do."""
         return [sse(self._chunk({"role": "assistant", "content": ""}, None))] if self.chat else []
 
-    def piece(self, text: str) -> str:
-        return sse(self._chunk({"content": text} if self.chat else text, None))
+    def piece(self, text: str, logprobs: dict[str, Any] | None = None) -> str:
+        return sse(self._chunk({"content": text} if self.chat else text, None, logprobs))
 
     def ending(self, finish_reason: str, usage: dict[str, int], ddtree: dict[str, Any]) -> list[str]:
         finish = self._chunk({} if self.chat else "", finish_reason)
@@ -91,8 +98,10 @@ class Reply:
         tail = {**self._head(self._chunk_kind()), "choices": [], "usage": usage, "ddtree": ddtree}
         return [sse(finish), sse(tail), DONE]
 
-    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(
+        self, delta: dict[str, str] | str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = delta
         else:

@@ -93,6 +93,11 @@ class Sampling(_Body):
                 )
         return self
 
+    def logprobs_count(self) -> int | None:
+        """None: no log-probabilities; else how many alternatives per token besides the chosen one (each
+        endpoint spells it its own way)."""
+        return None
+
     def top_k_value(self) -> int:
         """The top-k to sample with: 0 (off) for absent, 0 and -1."""
         return max(self.top_k or 0, 0)

@@ -44,6 +44,9 @@ class WorkerStopped(Exception):
     """The decode thread is not running."""
 
 
+Scored = tuple[float, list[tuple[int, float]]]  # a token's log-probability and its top alternatives
+
+
 @dataclass(frozen=True)
 class Update:
     """What a request got since its last update. The last one has a finish reason or an error."""
@@ -51,6 +54,7 @@ class Update:
     token_ids: list[int]
     acceptance_lengths: list[int]  # per decode step: accepted drafts + 1
     budgets: list[int] = field(default_factory=list)  # per decode step: the tree's draft nodes
+    scores: list[Scored] = field(default_factory=list)  # per token, where the request asked for logprobs
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
     error: str | None = None  # the request failed; nothing follows
 
@@ -242,13 +246,15 @@ class DecodeWorker:
             out = session.output(slot)
             tokens, lengths = out.token_ids[run.tokens :], out.acceptance_lengths[run.steps :]
             budgets = out.budgets[run.steps :]
+            scores = list(zip(out.logprobs[run.tokens :], out.top_logprobs[run.tokens :], strict=True))
             run.tokens, run.steps = len(out.token_ids), len(out.acceptance_lengths)
             if out.finished:
                 session.leave(slot)
                 self._forget(slot)
-                _send(run.job, Update(tokens, lengths, budgets, finish_reason=out.finish_reason or "length"))
+                reason = out.finish_reason or "length"
+                _send(run.job, Update(tokens, lengths, budgets, scores, finish_reason=reason))
             elif tokens or lengths:
-                _send(run.job, Update(tokens, lengths, budgets))
+                _send(run.job, Update(tokens, lengths, budgets, scores))
 
     def _forget(self, slot: int) -> None:
         with self._cond:
