@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
+from ddtree.schedule import BudgetSchedule, Choice
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig
 
@@ -64,6 +66,8 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
         pairs = zip(eager.generate(prompts, hot).outputs, engine.generate(prompts, hot).outputs, strict=True)
         same = sum(a.token_ids == b.token_ids for a, b in pairs)
         print(f"sampled {dtype} ddtree B=32 T=0.8: graphed equals eager on {same}/{len(prompts)} prompts")
+        _filtered_and_scored(eager, engine, prompts, eos, dtype)
+        _switching(eager, engine, prompts, eos, dtype, ar)
 
     cfg = GenerationConfig(method="ddtree", budget=32, max_new_tokens=32, eos_token_ids=eos)
     if device == "cuda" and "sync" in checks:
@@ -87,6 +91,47 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
             f"telemetry overhead, ddtree B=32, batch {batch}: "
             f"off {off:.1f} tok/s, on {on:.1f} tok/s, on/off {on / off:.4f}"
         )
+
+
+def _filtered_and_scored(
+    eager: Engine, engine: Engine, prompts: list[list[int]], eos: tuple[int, ...], dtype: str
+) -> None:
+    """top-p and top-k sampling, and logprobs, graphed against eager: the same draws, the same values."""
+    for extra in ({"top_p": 0.8}, {"top_k": 5}):
+        cfg = GenerationConfig(
+            method="ddtree",
+            budget=32,
+            temperature=0.8,
+            seed=7,
+            max_new_tokens=48,
+            eos_token_ids=eos,
+            logprobs=3,
+            **extra,
+        )
+        pairs = list(zip(eager.generate(prompts, cfg).outputs, engine.generate(prompts, cfg).outputs, strict=True))
+        same = sum(a.token_ids == b.token_ids for a, b in pairs)
+        close = sum(
+            a.token_ids == b.token_ids and all(abs(x - y) < 1e-3 for x, y in zip(a.logprobs, b.logprobs, strict=True))
+            for a, b in pairs
+        )
+        print(
+            f"filtered {dtype} ddtree B=32 T=0.8 {extra}: graphed equals eager on {same}/{len(prompts)} prompts, "
+            f"logprobs within 1e-3 on {close}"
+        )
+
+
+def _switching(
+    eager: Engine, engine: Engine, prompts: list[list[int]], eos: tuple[int, ...], dtype: str, ar: list[Any]
+) -> None:
+    """A budget that follows the load, graphed and streamed through 8 slots: greedy output is ar's."""
+    schedule = BudgetSchedule(
+        (Choice(1, "ddtree", 64), Choice(2, "ar"), Choice(4, "ddtree", 16), Choice(8, "ddtree", 4))
+    )
+    cfg = GenerationConfig(method="ddtree", schedule=schedule, max_new_tokens=64, eos_token_ids=eos)
+    out = engine.stream(prompts, cfg, slots=8).outputs
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
+    budgets = sorted({b for o in out for b in o.budgets})
+    print(f"lossless {dtype} graphed auto (steps at budgets {budgets}): {same}/{len(prompts)} identical to eager ar")
 
 
 if __name__ == "__main__":
