@@ -29,7 +29,7 @@ def _settings(tiny_dirs: tuple[Path, Path], method: str, budget: int) -> ServerS
 def test_the_line_names_model_method_tree_device_dtype_and_url(tiny_dirs: tuple[Path, Path]) -> None:
     served = load_model(_settings(tiny_dirs, "ddtree", 4))
     assert run.startup_line(served, "http://127.0.0.1:8000") == (
-        "ddtree serve: target, method ddtree, budget 4, top-k 4, cpu, float32, graphs off, "
+        "ddtree serve: target, method ddtree, budget 4, cpu, float32, graphs off, "
         "at http://127.0.0.1:8000 (OpenAI API under /v1)"
     )
     served = load_model(_settings(tiny_dirs, "ar", 4))
@@ -63,7 +63,7 @@ def test_serve_prints_the_line_with_the_port_bound(
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddtree serve:")]
     assert len(lines) == 1, lines
     found = re.fullmatch(
-        r"ddtree serve: target, method ddtree, budget 4, top-k 4, cpu, float32, graphs off, "
+        r"ddtree serve: target, method ddtree, budget 4, cpu, float32, graphs off, "
         r"at http://127\.0\.0\.1:(\d+) \(OpenAI API under /v1\)",
         lines[0],
     )
