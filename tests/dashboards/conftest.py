@@ -20,6 +20,7 @@ import pytest
 from ddtree.server.app import create_app
 from ddtree.server.model import load_model
 from telemetry import TelemetryConfig, start_telemetry
+from telemetry import semconv as sc
 from tests.ddtree.server.conftest import settings_for
 from tests.ddtree.server.support import live_server
 from tests.telemetry import test_prometheus as prom
@@ -145,6 +146,8 @@ def _under_load(url: str, gpu_port: int, tmp: Path) -> Iterator[Run]:
         with ThreadPoolExecutor(4) as pool:  # concurrent requests: batched steps
             list(pool.map(lambda i: _ask(url, i), range(2 * len(PROMPTS))))
         server_port = int(url.rsplit(":", 1)[1])
+        generated = sum(v for _, v in scrape(server_port).get(sc.PROM_GENERATION_TOKENS_TOTAL, []))
+        assert generated > 2 * len(PROMPTS)  # tokens past each request's first one came from decode steps
         assert wait_for(lambda: any("dropped_spans" in n for n in scrape(server_port)))
         assert wait_for(lambda: any("gpu" in n for n in scrape(gpu_port)))
         yield Run(url, gpu_port, port, _served(server_port, gpu_port))
