@@ -25,7 +25,6 @@ from ddtree.observer import StepObserver
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.cost import CostFile, CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest
-from telemetry.analysis.steps import iter_records
 
 
 @dataclass(frozen=True)
@@ -119,15 +118,8 @@ def logged_run(
         engine.stream(prompts, generation, settings.log_slots)
     finally:
         telemetry.shutdown()
-    return read_digest(log)
-
-
-def read_digest(log: Path) -> Digest:
-    digest = Digest()
     with log.open() as lines:
-        for record in iter_records(lines, digest.counts):
-            digest.add(record)
-    return digest
+        return Digest.of(lines)
 
 
 def cost_curves(

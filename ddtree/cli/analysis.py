@@ -88,17 +88,12 @@ def _lines(path: str) -> Iterator[IO[str]]:
 
 def _digest(path: str, trace_out: IO[str] | None = None) -> Any:
     from telemetry.analysis.digest import Digest
-    from telemetry.analysis.steps import iter_records
     from telemetry.analysis.trace_events import TraceEventWriter
 
-    digest = Digest()
     writer = TraceEventWriter(trace_out) if trace_out is not None else None
     with _lines(path) as stream:
         try:
-            for record in iter_records(stream, digest.counts):
-                digest.add(record)
-                if writer is not None:
-                    writer.add(record)
+            digest = Digest.of(stream, writer.add if writer is not None else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path!r} has ddtree lines without the expected fields: {exc!r}") from exc
     if writer is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from telemetry.analysis.steps import (
     RequestTally,
     advice,
     is_warmup,
+    iter_records,
     sort_configs,
     step_duration_ms,
 )
@@ -209,6 +211,17 @@ class Digest:
     reliability: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((RELIABILITY_BINS, 3)))
     series: dict[Key, StepSeries] = field(default_factory=dict)  # tokens/s per step, per configuration
     gpu: dict[str, TimeSeries] = field(default_factory=dict)  # gpu -> [utilization, memory, power]
+
+    @classmethod
+    def of(cls, lines: Iterable[str], each: Callable[[dict[str, Any]], None] | None = None) -> Digest:
+        """The digest of a log's lines (`iter_records`: lines that are not JSON objects are counted, not read);
+        `each` sees every record after the digest has."""
+        digest = cls()
+        for record in iter_records(lines, digest.counts):
+            digest.add(record)
+            if each is not None:
+                each(record)
+        return digest
 
     def add(self, record: dict[str, Any]) -> None:
         event = record.get("event")

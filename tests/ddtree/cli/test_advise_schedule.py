@@ -17,7 +17,6 @@ from telemetry.analysis.advise import MIN_EXACT_SHARE, advise
 from telemetry.analysis.cost import CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest
 from telemetry.analysis.schedule import plan_schedule
-from telemetry.analysis.steps import iter_records
 from telemetry.collector import Collector
 from telemetry.config import TelemetryConfig
 from telemetry.logging import LogSink, make_logger
@@ -49,11 +48,8 @@ def _cost_file(path: Path, temperature: float = 0.0, ar: bool = True) -> Path:
 
 
 def _digest(path: Path) -> Digest:
-    digest = Digest()
     with path.open() as stream:
-        for record in iter_records(stream, digest.counts):
-            digest.add(record)
-    return digest
+        return Digest.of(stream)
 
 
 def test_advise_writes_the_replayed_schedule_that_read_schedule_reads_back(

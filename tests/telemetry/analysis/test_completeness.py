@@ -19,7 +19,6 @@ from telemetry import semconv as sc
 from telemetry.analysis.advise import REFUSE_BELOW, WARN_BELOW
 from telemetry.analysis.cost import CostPoint, write_costs
 from telemetry.analysis.digest import Digest
-from telemetry.analysis.steps import iter_records
 from telemetry.collector import Collector
 from telemetry.config import TelemetryConfig
 from telemetry.logging import LogSink, make_logger
@@ -56,10 +55,7 @@ def _write(tmp_path: Path, lines: list[Line], name: str = "log.jsonl") -> Path:
 
 
 def _digest(lines: list[Line]) -> Digest:
-    digest = Digest()
-    for record in iter_records([json.dumps(x) for x in lines], digest.counts):
-        digest.add(record)
-    return digest
+    return Digest.of(json.dumps(x) for x in lines)
 
 
 def _with_warmup(lines: list[Line]) -> list[Line]:

@@ -105,10 +105,8 @@ def test_analyze_from_stdin_writes_plots_report_and_summary(
 
 
 def test_every_plot_labels_its_axes(logged: tuple[Path, dict[int, float]]) -> None:
-    digest = Digest()
     with logged[0].open() as stream:
-        for record in iter_records(stream, digest.counts):
-            digest.add(record)
+        digest = Digest.of(stream)
     for name, plot in PLOTS.items():
         ax = Figure().add_subplot()
         plot(ax, digest)
@@ -258,10 +256,7 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _digest_of(lines: list[dict[str, Any]]) -> Digest:
-    digest = Digest()
-    for record in iter_records([json.dumps(x) for x in lines], digest.counts):
-        digest.add(record)
-    return digest
+    return Digest.of(json.dumps(x) for x in lines)
 
 
 def _write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:

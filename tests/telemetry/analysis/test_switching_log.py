@@ -11,7 +11,6 @@ from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.schedule import BudgetSchedule, Choice
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.digest import Digest
-from telemetry.analysis.steps import iter_records
 from tests.helpers import random_prompts, tiny_pair
 
 SCHEDULE = BudgetSchedule((Choice(1, "ddtree", 8), Choice(2, "ar"), Choice(4, "ddtree", 3)))
@@ -36,9 +35,7 @@ def test_step_lines_carry_each_steps_budget_and_requests_are_complete(tmp_path: 
     assert all((s["method"] == "ar") == (s["budget"] == 0) for s in steps)
     requests = [r for r in records if r.get("event") == "ddtree.request"]
     assert len(requests) == 6 and all(r["budget"] is None for r in requests)
-    digest = Digest()
-    for record in iter_records(log.read_text().splitlines(), digest.counts):
-        digest.add(record)
+    digest = Digest.of(log.read_text().splitlines())
     completeness = digest.completeness()
     assert completeness.share == 1.0, completeness.line()
     assert {k[1] for k in digest.configs} == set(ran)
