@@ -6,7 +6,7 @@ methods do nothing, allocate nothing and import nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
@@ -41,6 +41,18 @@ class GenerateInfo:
     prompt_tokens: list[list[int]]
     slots: list[int] | None = None  # the session slot of each request; None: slots 0..n-1 (a whole batch)
     trace_parents: list[str | None] | None = None  # per request: a W3C `traceparent` to parent its span
+
+    @property
+    def tree(self) -> tuple[str, int | None, int | None]:
+        """(method, budget, topk): the tree these settings verify."""
+        return self.method, self.budget, self.topk
+
+    def with_tree(self, method: str, budget: int | None, topk: int | None) -> GenerateInfo:
+        """These settings with a step's own tree (a session whose budget follows the load); itself where that
+        is its tree already."""
+        if (method, budget, topk) == self.tree:
+            return self
+        return replace(self, method=method, budget=budget, topk=topk)
 
 
 @dataclass(frozen=True)

@@ -369,7 +369,12 @@ def _mutants() -> list[Mutant]:
             "step-log-budget-of-the-requests",
             "the exporter logs each step with the requests' budget, not the tree the step verified",
             "telemetry/process.py",
-            (("        if (info.method, info.budget, info.topk) == shape:\n", "        if True:\n"),),
+            (
+                (
+                    "StepStats(step[0], self.info.with_tree(*step[-1]), *step[1:-1])",
+                    "StepStats(step[0], self.info, *step[1:-1])",
+                ),
+            ),
             ("tests/telemetry/analysis/test_switching_log.py",),
         ),
     ]

@@ -47,10 +47,6 @@ if TYPE_CHECKING:
     from ddtree.tree import DraftTree
 
 
-def key_of(shape: TreeShape) -> tuple[str, int | None, int | None]:
-    return shape.method, shape.budget, shape.topk
-
-
 @dataclass
 class _Pending:
     step: int
@@ -143,9 +139,9 @@ class Collector:
         """The settings a step ran with: the requests', with the tree the step verified where it was named (a
         session whose budget follows the load)."""
         info = self.info
-        if info is None or shape is None or (info.method, info.budget, info.topk) == key_of(shape):
+        if info is None or shape is None:
             return info
-        return replace(info, method=shape.method, budget=shape.budget, topk=shape.topk)
+        return info.with_tree(shape.method, shape.budget, shape.topk)
 
     def on_stage_start(self, stage: str) -> None:
         assert self.current is not None

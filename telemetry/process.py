@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -100,7 +99,7 @@ class ExporterProcess:
         # StepStats's fields in order, less `info` (the exporter has it from the requests' start), then the tree
         # the step verified (a session whose budget follows the load changes it between steps)
         record: tuple[Any, ...] = (s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns)
-        record += (s.end_ns, s.slot_ids, *tree, s.warmup, s.rows, (s.info.method, s.info.budget, s.info.topk))
+        record += (s.end_ns, s.slot_ids, *tree, s.warmup, s.rows, s.info.tree)
         if self.outbox is None:
             self.ledger.add_steps([s.step])
         else:
@@ -204,15 +203,6 @@ class _Feed:
         self.info: GenerateInfo | None = None
         self.orphans = DropLedger()  # steps that came before any start (whose start record was dropped)
 
-    def _step_info(self, shape: tuple[str, int | None, int | None]) -> GenerateInfo:
-        """The requests' info with the step's own tree (method, budget, top-k)."""
-        assert self.info is not None
-        info = self.info
-        if (info.method, info.budget, info.topk) == shape:
-            return info
-        method, budget, topk = shape
-        return replace(info, method=method, budget=budget, topk=topk)
-
     def take(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "start":
@@ -225,7 +215,7 @@ class _Feed:
                 self.report(self.orphans.take() or DropReport())
                 return
             for step in message[1]:
-                call_sinks(self.sinks, "step", StepStats(step[0], self._step_info(step[-1]), *step[1:-1]))
+                call_sinks(self.sinks, "step", StepStats(step[0], self.info.with_tree(*step[-1]), *step[1:-1]))
         elif kind == "end":
             info, results = message[1], message[2]
             self.texts.update(message[3])
