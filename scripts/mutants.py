@@ -345,8 +345,8 @@ def _mutants() -> list[Mutant]:
             "ddtree/engine/session.py",
             (
                 (
-                    "shape = self._forced or self.schedule.shape_for(sum(decoding(s) for s in self.slots))",
-                    "shape = self._forced or self.shape",
+                    "return self.schedule.shape_for(sum(decoding(s) for s in self.slots))",
+                    "return self.shape",
                 ),
             ),
             SCHEDULE,

@@ -356,7 +356,7 @@ class DecodeSession:
         if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
-        shape = self._forced or self.schedule.shape_for(sum(decoding(s) for s in self.slots))
+        shape = self._forced or self._scheduled()
         runner = self.runners[shape]
         key = (rows.n, span, sampled, filtered, scored)
         warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
@@ -365,6 +365,12 @@ class DecodeSession:
         ticket = self._readback.start(state.out)
         self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape))
         self.steps += 1
+
+    def _scheduled(self) -> TreeShape:
+        """The shape for the requests decoding now (a fixed session's one shape, without counting them)."""
+        if not self.schedule.switching:
+            return self.shape
+        return self.schedule.shape_for(sum(decoding(s) for s in self.slots))
 
     def _finish(self, launch: _Launch) -> list[int]:
         host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
