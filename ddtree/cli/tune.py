@@ -13,7 +13,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddtree.cli.common import POSITIVE, add_command, budget_list, device_args, engine_options, float_flag, model_args
+from ddtree.cli.common import (
+    POSITIVE,
+    SEED,
+    add_command,
+    budget_list,
+    device_args,
+    engine_options,
+    float_flag,
+    model_args,
+)
 from ddtree.errors import UserError
 
 if TYPE_CHECKING:
@@ -46,7 +55,7 @@ def add_parser(sub: Any) -> None:
     )
     tune.add_argument("--log-slots", type=POSITIVE, default=16, help="slots of the logged run")
     tune.add_argument("--temperature", type=float_flag(0), default=0.0, help="sampling temperature, as served")
-    tune.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (T > 0)")
+    tune.add_argument("--seed", type=SEED, default=0, help="prompt i samples with seed + i (T > 0)")
     tune.add_argument("--out", metavar="FILE", help="write the schedule here (default: where serve looks for it)")
     tune.add_argument("--keep", metavar="DIR", help="keep the logged run and the cost curves in this directory")
     device_args(tune, graphs=True)
