@@ -4,7 +4,8 @@ follows it.
 The best budget depends on how many requests share a step: a wide tree pays at one row and costs more than it
 gains at 64. A schedule holds one `Choice` per measured batch size (rows per step): `ddtree` with a budget and
 top-k, or `ar` where no tree beat the target alone. Before each step the session takes the choice measured
-nearest its active rows (`nearest`: on a log scale, 3 rows are nearer 4 than 1).
+nearest the rows the step runs (its power-of-two row bucket, which sets the step's cost; `nearest`: on a log
+scale, 3 rows are nearer 4 than 1).
 
 The file (`FORMAT`), written by `ddtree tune` or `ddtree advise --schedule`:
 
@@ -126,10 +127,6 @@ class ShapeSchedule:
     @property
     def switching(self) -> bool:
         return len(self.shapes) > 1
-
-    def shapes_within(self, rows: int) -> tuple[TreeShape, ...]:
-        """The shapes a step over up to `rows` active requests can take."""
-        return tuple(dict.fromkeys(self.shape_for(n) for n in range(1, rows + 1)))
 
 
 def write_schedule(path: Path, schedule: BudgetSchedule) -> None:

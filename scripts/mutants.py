@@ -341,11 +341,11 @@ def _mutants() -> list[Mutant]:
         ),
         Mutant(
             "schedule-ignores-the-load",
-            "every step runs the schedule's widest tree, whatever the active requests",
+            "every step runs the schedule's widest tree, whatever the rows of the step",
             "ddtree/engine/session.py",
             (
                 (
-                    "return self.schedule.shape_for(sum(decoding(s) for s in self.slots))",
+                    "return self.schedule.shape_for(rows)",
                     "return self.shape",
                 ),
             ),

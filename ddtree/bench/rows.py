@@ -8,7 +8,7 @@ heat, what ran just before) hits every row alike instead of the rows run last.
 
 Every row decodes with one `Sampling`: greedy at temperature 0, else sampled, prompt i of the set seeded
 seed + i whatever batch it runs in. With a budget schedule, a row `auto` runs ddtree with its tree chosen each
-step from the schedule by the active requests.
+step from the schedule by the rows the step runs.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def schedule_runner(
     slots: int | None = None,
     sampling: Sampling = GREEDY,
 ) -> RowRunner:
-    """The `AUTO` row: ddtree with each step's tree chosen from `schedule` by the step's active requests."""
+    """The `AUTO` row: ddtree with each step's tree chosen from `schedule` by the rows the step runs."""
     config = GenerationConfig(method="ddtree", max_new_tokens=max_new_tokens, eos_token_ids=eos, schedule=schedule)
     return session_runner(engine, AUTO, None, config, slots, sampling)
 

@@ -4,7 +4,9 @@
    with its nodes' ranks (`DDTREE_LOG_TREE=1`). Replaying it gives tau for every smaller budget and top-k,
    exactly at T = 0 (`telemetry.analysis.replay`).
 2. Cost curves: `ar` and ddtree at each budget, streamed through each batch size's slots as the server fills
-   them (`run_bench`, continuous): ms per step, and the tau each measured (the plan's tau at T > 0).
+   them (`run_bench`, continuous): ms per step, and the tau each measured (the plan's tau at T > 0). The
+   prompts are repeated to `FILL` times the batch size (`filled`), so that the slots stay full for most of
+   the run: a point is the cost of a step over that many rows, not of a batch draining.
 3. The plan (`telemetry.analysis.schedule.plan_schedule`): per batch size, the tree with the most predicted
    tokens/s, or `ar` where none beats it.
 
@@ -25,6 +27,14 @@ from ddtree.observer import StepObserver
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.cost import CostFile, CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest
+
+FILL = 4  # a cost run streams at least this many requests per slot
+
+
+def filled(prompts: list[list[int]], size: int) -> list[list[int]]:
+    """The prompts, repeated in order to at least `FILL` x `size` of them."""
+    count = max(len(prompts), FILL * size)
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -62,19 +72,20 @@ def estimate_seconds(engine: Engine, prompts: list[list[int]], settings: TuneSet
     budget and batch size; a step's time is taken as linear in the tokens it verifies (rows x tree), in
     between (so an estimate, not a promise: a GPU's steps stay flat over small trees), and a tree step as
     accepting two tokens. Compiling and capturing come on top on CUDA."""
-    size, budget = min(max(settings.batch_sizes), len(prompts)), settings.log_budget
+    size, budget = max(settings.batch_sizes), settings.log_budget
     small = _step_seconds(engine, prompts[:1], GenerationConfig(method="ar", max_new_tokens=8))
-    large = _step_seconds(engine, prompts[:size], GenerationConfig(method="ddtree", budget=budget, max_new_tokens=8))
+    widest = GenerationConfig(method="ddtree", budget=budget, max_new_tokens=8)
+    large = _step_seconds(engine, filled(prompts, size)[:size], widest)
 
     def step(rows: int, tree: int) -> float:
         share = (rows * (1 + tree) - 1) / max(size * (1 + budget) - 1, 1)
         return small + (large - small) * share
 
-    tokens = len(prompts) * settings.max_new_tokens
     runs = 2 if engine.target.device.type == "cuda" else 1  # on CUDA each row's warm-up is a whole run
+    tokens = len(prompts) * settings.max_new_tokens
     seconds = tokens / settings.log_slots / 2 * step(settings.log_slots, budget)
     for rows in settings.batch_sizes:
-        rows = min(rows, len(prompts))
+        tokens = len(filled(prompts, rows)) * settings.max_new_tokens
         per_row = tokens / rows * step(rows, 0) + sum(tokens / rows / 2 * step(rows, b) for b in settings.budgets)
         seconds += runs * per_row
     return seconds
@@ -136,7 +147,7 @@ def cost_curves(
     for size in settings.batch_sizes:
         rows = run_bench(
             engine,
-            prompts,
+            filled(prompts, size),
             list(settings.budgets),
             settings.max_new_tokens,
             size,

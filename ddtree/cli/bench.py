@@ -72,7 +72,7 @@ def add_parser(sub: Any) -> None:
         "--budget-schedule",
         metavar="FILE",
         help="also a row `auto`: ddtree with each step's tree taken from this budget schedule (as `ddtree advise"
-        " --schedule` writes it) by the step's active requests; it runs even where --methods leaves out ddtree",
+        " --schedule` writes it) by the rows the step runs; it runs even where --methods leaves out ddtree",
     )
     bench.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
     bench.add_argument(

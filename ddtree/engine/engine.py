@@ -159,7 +159,7 @@ class Engine:
         return self.shapes(config).widest
 
     def shapes(self, config: GenerationConfig) -> ShapeSchedule:
-        """The trees `config` verifies, by active requests: one shape, or its schedule's."""
+        """The trees `config` verifies, by the rows a step runs: one shape, or its schedule's."""
         dims = self.dims
         if config.schedule is None:
             return ShapeSchedule.fixed(dims.shape(config.method, config.budget, config.topk))

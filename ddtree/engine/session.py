@@ -81,7 +81,7 @@ class _Launch:
 
 class DecodeSession:
     """`slots` requests decoded together, in caches of `capacity` tokens, with one tree shape (method, budget,
-    top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its active requests, and the
+    top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its row count, and the
     caches and buffers are sized for the widest (`self.shape`). A tree step in a session whose schedule also
     holds `ar` drafts from the whole context: its `ar` steps still feed the drafter the accepted tokens'
     features (`ddtree.engine.proposers.ContextOnly`)."""
@@ -155,7 +155,6 @@ class DecodeSession:
         stamped = self.probed and cuda_graphs and stamps_available(device)
         self.runners = {s: self._runner(self.proposers[s], stamped) for s in self.schedule.shapes}
         self.runner = self.runners[shape]
-        self._forced: TreeShape | None = None  # warm-up runs each shape the schedule can take
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
@@ -249,9 +248,9 @@ class DecodeSession:
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
         """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), greedy and sampled,
-        and with a schedule every shape it can take at that row count, so that compiling and capturing happen
-        now rather than in the first real requests' steps. The observer sees none of it. Call it on an empty
-        session."""
+        each with the shape its steps take (a schedule's for that row count), so that compiling and capturing
+        happen now rather than in the first real requests' steps. The observer sees none of it. Call it on an
+        empty session."""
         if self.free_slots() != list(range(self.num_slots)):
             raise ValueError("warm_up needs an empty session")
         observer = self.observer
@@ -259,11 +258,8 @@ class DecodeSession:
         try:
             for temperature in (0.0, 1.0):
                 for n in row_counts(self.num_slots):
-                    for shape in self.schedule.shapes_within(n):
-                        self._forced = shape
-                        self._run_dummies(n, prompt_tokens, new_tokens, temperature)
+                    self._run_dummies(n, prompt_tokens, new_tokens, temperature)
         finally:
-            self._forced = None
             self._set_observer(observer)
 
     def _set_observer(self, observer: StepObserver) -> None:
@@ -356,7 +352,7 @@ class DecodeSession:
         if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
-        shape = self._forced or self._scheduled()
+        shape = self._scheduled(rows.n)
         runner = self.runners[shape]
         key = (rows.n, span, sampled, filtered, scored)
         warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
@@ -366,11 +362,13 @@ class DecodeSession:
         self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape))
         self.steps += 1
 
-    def _scheduled(self) -> TreeShape:
-        """The shape for the requests decoding now (a fixed session's one shape, without counting them)."""
+    def _scheduled(self, rows: int) -> TreeShape:
+        """The shape for a step over `rows` rows (its row bucket). The bucket, not the number of requests
+        decoding in it, sets what the step costs; and tokens/s = decoding x tau / step time, so the tree
+        with the most tokens/s for a bucket is the same however many of its rows decode."""
         if not self.schedule.switching:
             return self.shape
-        return self.schedule.shape_for(sum(decoding(s) for s in self.slots))
+        return self.schedule.shape_for(rows)
 
     def _finish(self, launch: _Launch) -> list[int]:
         host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]

@@ -81,8 +81,6 @@ def test_the_shapes_a_session_takes() -> None:
     shapes = SCHEDULE.resolve(_shape)
     assert shapes.widest.budget == 64 and shapes.switching
     assert [s.budget for s in shapes.shapes] == [64, 32, 8, 0]
-    assert [s.budget for s in shapes.shapes_within(2)] == [64]
-    assert [s.budget for s in shapes.shapes_within(5)] == [64, 32]
-    assert {s.budget for s in shapes.shapes_within(64)} == {64, 32, 8, 0}
+    assert [shapes.shape_for(n).budget for n in (1, 2, 3, 4, 16, 32, 64)] == [64, 64, 32, 32, 8, 8, 0]
     fixed = ShapeSchedule.fixed(_shape("ddtree", 16, None))
     assert not fixed.switching and fixed.shape_for(40).budget == 16
