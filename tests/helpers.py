@@ -12,8 +12,9 @@ import torch
 
 from ddtree.methods import TreeShape, get_method
 from ddtree.models.dflash import DFlashDrafter, drafter_config
+from ddtree.models.hybrid import make_target
 from ddtree.models.target import Target
-from ddtree.models.tiny import random_llama, tiny_llama_config
+from ddtree.models.tiny import random_hybrid, random_llama, tiny_hybrid_config, tiny_llama_config
 
 
 def tiny_pair(
@@ -37,6 +38,28 @@ def tiny_pair(
     device = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
     drafter = drafter.to(device=device, dtype=dtype).eval()
     return Target(model.to(device), feature_layers=drafter.target_layer_ids), drafter
+
+
+def tiny_hybrid_pair(
+    kind: str,
+    seed: int,
+    vocab: int = 32,
+    hidden: int = 32,
+    layers: int = 4,
+    block_size: int = 6,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Target, DFlashDrafter]:
+    """A random hybrid target (`tiny_hybrid_config`'s `kind`) and a random DFlash drafter sized to it."""
+    config = tiny_hybrid_config(kind, vocab, hidden_size=hidden, num_layers=layers, heads=4, kv_heads=2)
+    model = random_hybrid(config, seed).to(dtype)
+    torch.manual_seed(seed + 1000)
+    drafter = DFlashDrafter(drafter_config(config, 1, block_size, mask_token_id=vocab - 1))
+    for p in drafter.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.3)
+    device = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
+    drafter = drafter.to(device=device, dtype=dtype).eval()
+    return make_target(model.to(device), feature_layers=drafter.target_layer_ids), drafter
 
 
 def random_prompts(seed: int, batch: int, vocab: int, low: int = 1, high: int = 12) -> list[list[int]]:

@@ -21,7 +21,7 @@ from ddtree.engine.proposers import Proposer
 from ddtree.engine.readback import to_device
 from ddtree.engine.requests import Request
 from ddtree.kv_cache import KVCache
-from ddtree.models.target import Target
+from ddtree.models.target import Target, TokenOrder
 from ddtree.sampling import choose_tokens
 
 SETTINGS = ("temperature", "top_p", "top_k", "seed")  # a request's settings: the stage sets each slot's
@@ -85,8 +85,9 @@ def prefill_stage(into: PrefillInto, flags: PrefillFlags) -> Callable[[Tensors],
         scratch = into.target.new_cache(k, width)
         positions = steps.expand(k, -1)
         last = (lengths - 1)[:, None]
+        chain = TokenOrder(lengths=lengths)  # for recurrent layers: each prompt in order, then padding
         out = into.target.forward(
-            tokens, positions, visible, scratch, width, last, into.fused, into.attention, any_shape=True
+            tokens, positions, visible, scratch, width, last, into.fused, into.attention, any_shape=True, order=chain
         )
         scratch.lengths.copy_(lengths)
         into.cache.load_rows(index, scratch)

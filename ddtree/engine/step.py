@@ -29,7 +29,7 @@ from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, p
 from ddtree.engine.probe import ProbeLayout, readout
 from ddtree.engine.proposers import Proposer
 from ddtree.kv_cache import KVCache
-from ddtree.models.target import Target
+from ddtree.models.target import Target, TokenOrder
 from ddtree.sampling import choose_tokens
 from ddtree.tree import DraftTree
 
@@ -101,7 +101,10 @@ def verify(m: StepModels, s: StepState) -> None:
     tokens = torch.where(tree.tokens < 0, 0, tree.tokens)  # [n, nodes]
     tokens[:, 0] = r.root
     positions = r.cache.lengths[:, None] + tree.depths
-    verified = m.target.forward(tokens, positions, s.ancestors, r.cache, s.span, fused=m.fused, attention=m.attention)
+    order = TokenOrder(tree.parents, tree.depths, m.proposer.block - 1)  # for recurrent layers
+    verified = m.target.forward(
+        tokens, positions, s.ancestors, r.cache, s.span, fused=m.fused, attention=m.attention, order=order
+    )
     top_p, top_k = (r.top_p, r.top_k) if s.filtered else (None, None)
     s.choice = choose_tokens(verified.logits, r.temperature, r.seed, r.draw, s.sampled, top_p, top_k)
     s.scores = node_logprobs(verified.logits, s.choice) if s.logprobs else None

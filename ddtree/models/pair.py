@@ -12,6 +12,7 @@ import torch
 
 from ddtree.errors import UserError
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
+from ddtree.models.hybrid import make_target
 from ddtree.models.target import Target, load_target, read_target_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -43,7 +44,7 @@ def load_models(
         drafter = load_drafter(drafter_dir, device, dtype)
         check_pair(drafter, config)
     hf_model = load_target(model, device, dtype)
-    target = Target(hf_model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
+    target = make_target(hf_model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
     return target, drafter, load_tokenizer(model)
 
 

@@ -21,7 +21,20 @@ from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
 from ddtree.models.layers import residual_mlp
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # gated delta-net and gated attention (`ddtree.models.hybrid`)
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class TokenOrder:
+    """How a forward's tokens follow one another, which layers with a recurrent state need (attention reads
+    `visible` alone): a draft tree's links, or a chain (a prefill) with each request's real length."""
+
+    parents: torch.Tensor | None = None  # [batch, n] each node's parent (-1: the root, padding); None: a chain
+    depths: torch.Tensor | None = None  # [batch, n] (0: the root, padding)
+    max_depth: int = 0  # a host-side bound on `depths`
+    lengths: torch.Tensor | None = None  # [batch] a chain's real tokens (the rest is padding)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class Target:
         fused: bool = True,
         attention: str = "sdpa",
         any_shape: bool = False,
+        order: TokenOrder | None = None,
     ) -> TargetOutput:
         """Run `tokens` (`[batch, n]`) at `positions` (`[batch, n]`) on top of the cache.
 
@@ -99,7 +113,8 @@ class Target:
         `compile_layers`, `fused` runs the compiled regions: those compiled per shape (a step's few shapes), or
         with `any_shape` those compiled once for symbolic sizes (the prefill's many shapes); `fused=False` runs
         the layers eagerly. `attention` is `sdpa` (torch's attention given a dense mask) or `triton`
-        (`ddtree.kernels.tree_attention`, which reads `visible` directly).
+        (`ddtree.kernels.tree_attention`, which reads `visible` directly). `order`: the tokens' tree or
+        chain, for targets with recurrent layers (`ddtree.models.hybrid`); attention-only ones ignore it.
         """
         n = tokens.shape[1]
         slots = cache.lengths[:, None] + torch.arange(n, device=tokens.device)[None, :]  # [batch, n]
@@ -107,11 +122,11 @@ class Target:
             visible if attention == "triton" else tree_attention_mask(cache.lengths, visible, key_span)
         )
         x = self.embed(tokens)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = self.rotary(x, self._rotary_positions(positions))
         features: dict[int, torch.Tensor] = {}
         regions = self._regions(fused, any_shape)
         for i, layer in enumerate(self.layers):
-            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, regions, attention)
+            x = self._layer(layer, i, x, cos, sin, slots, mask, cache, key_span, regions, attention, order)
             if i in self.feature_layers:
                 features[i] = x
         x = self.norm(x)
@@ -119,6 +134,9 @@ class Target:
             x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
         feats = torch.cat([features[i] for i in self.feature_layers], dim=-1) if features else None
         return TargetOutput(logits=self.head(x), features=feats)
+
+    def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
 
     def compile_layers(self) -> None:
         """Fuse each layer's work around attention with `torch.compile` (regional compilation: the code is
@@ -153,6 +171,7 @@ class Target:
         key_span: int,
         regions: tuple[Any, Any],
         attention: str,
+        order: TokenOrder | None = None,
     ) -> torch.Tensor:
         scale = getattr(layer.self_attn, "scaling", None)
         qkv, rest = regions

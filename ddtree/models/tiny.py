@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -44,6 +45,54 @@ def random_llama(config: LlamaConfig, seed: int, init_std: float = 0.2) -> Llama
     torch.manual_seed(seed)
     config.initializer_range = init_std
     model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.train(False)
+    return model
+
+
+def tiny_hybrid_config(
+    kind: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
+) -> Any:
+    """A small hybrid config: gated delta-net layers with gated full attention every second layer.
+    `kind`: `qwen3_next` (fused projections, a mixture of experts) or `qwen3_5` (Qwen3.5's dense text model)."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    shared: Any = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=hidden_size // 8,
+        linear_value_head_dim=hidden_size // 8,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+    )
+    if kind == "qwen3_next":
+        experts: Any = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+        config = Qwen3NextConfig(**shared, **experts, shared_expert_intermediate_size=hidden_size // 2)
+        config._experts_implementation = "eager"  # any dtype (the grouped kernel takes 16- and 32-bit floats)
+        return config
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(**shared)
+    raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5")
+
+
+def random_hybrid(config: Any, seed: int, init_std: float = 0.2) -> Any:
+    """A random hybrid causal LM for `config` (`tiny_hybrid_config`), with varied next-token distributions."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.initializer_range = init_std
+    model: Any = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    for param in model.parameters():  # norms and the decay stay as initialised
+        if param.dim() > 1:
+            torch.nn.init.normal_(param, std=init_std)
     model.train(False)
     return model
 
