@@ -47,6 +47,7 @@ ATTENTION = ("tests/ddtree/kernels/test_tree_attention.py",)
 ANCESTORS = ("tests/ddtree/kernels/test_ancestors.py",)
 TREE_KERNELS = ("tests/ddtree/kernels/test_tree_build.py",)
 SCHEDULE = ("tests/ddtree/engine/test_schedule.py", "tests/ddtree/server/test_auto_budget.py")
+HYBRID = ("tests/ddtree/models/test_hybrid.py", "tests/ddtree/models/test_gdn.py")
 PROBE = (
     "tests/ddtree/engine/test_probe.py",
     "tests/ddtree/engine/test_session.py",
@@ -331,6 +332,42 @@ def _mutants() -> list[Mutant]:
                 ),
             ),
             PROBE,
+        ),
+        Mutant(
+            "gdn-conv-reads-neighbours",
+            "a tree node's convolution reads the nodes before it in the flattened tree, not its ancestors",
+            "ddtree/models/gdn.py",
+            (
+                (
+                    "node = parents.gather(1, node.clamp(min=0)).where(node >= 0, node)  # -1 stays -1",
+                    "node = node - 1",
+                ),
+            ),
+            HYBRID,
+        ),
+        Mutant(
+            "gdn-nodes-step-from-the-committed-state",
+            "every tree node's recurrent state steps from the committed state, not from its parent's",
+            "ddtree/models/gdn.py",
+            (
+                (
+                    "before = torch.where((parents >= 0)[..., None, None, None], nodes[rows, parents.clamp(min=0)], state[:, None])",
+                    "before = state[:, None].expand_as(nodes)",
+                ),
+            ),
+            HYBRID,
+        ),
+        Mutant(
+            "gdn-commit-steps-the-last-node-only",
+            "the commit advances the recurrent state by the accepted path's last node alone",
+            "ddtree/models/gdn.py",
+            (
+                (
+                    "state.copy_(torch.where((j < advance)[:, None, None, None], stepped, state))",
+                    "state.copy_(torch.where((j == advance - 1)[:, None, None, None], stepped, state))",
+                ),
+            ),
+            HYBRID,
         ),
         Mutant(
             "schedule-ar-steps-starve-the-drafter",

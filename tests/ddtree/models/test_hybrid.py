@@ -1,0 +1,93 @@
+"""Hybrid targets (gated delta-net and gated attention: Qwen3-Next, Qwen3.5) in our layer loop: our `ar` is
+transformers' own greedy decode of the model, and greedy dflash and ddtree are our `ar`, token for token, on
+trees of every budget and top-k, ragged batches and requests that join and leave; sampled ddtree follows
+the target's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.models.hybrid import HybridTarget
+from tests.ddtree.test_sampling import pooled_chisquare, target_probs
+from tests.helpers import random_prompts, tiny_hybrid_pair
+
+KINDS = ("qwen3_next", "qwen3_5")
+VOCAB = 8  # a small vocabulary: the random drafter's guesses are often the target's, so paths get long
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_our_ar_is_transformers_greedy_decode(kind: str) -> None:
+    target, _ = tiny_hybrid_pair(kind, 0, vocab=24)
+    assert isinstance(target, HybridTarget) and target.gdn_layers and target.attention_layers
+    prompts = random_prompts(1, 3, vocab=24, low=1, high=9)  # ragged: the prefill pads the shorter ones
+    ours = Engine(target).generate(prompts, GenerationConfig(method="ar", max_new_tokens=12)).outputs
+    for prompt, out in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt], device=target.device)
+        hf = target.model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == hf[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_accepted_paths_are_ar(kind: str) -> None:
+    """Four tokens: a tree of 64 nodes holds every path three deep, so steps accept past the convolution's
+    window (4) and the commit's states come from the path alone."""
+    target, drafter = tiny_hybrid_pair(kind, 2, vocab=4, block_size=6)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(2, 3, vocab=4)
+    ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=30)).outputs
+    out = engine.generate(prompts, GenerationConfig(method="ddtree", budget=64, max_new_tokens=30)).outputs
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    assert max(a for o in out for a in o.acceptance_lengths) >= 5
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 4),
+    budget=st.integers(1, 40),
+    topk=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_greedy_ddtree_and_dflash_equal_ar(kind: str, seed: int, batch: int, budget: int, topk: int | None) -> None:
+    target, drafter = tiny_hybrid_pair(kind, seed % 5, vocab=VOCAB, block_size=3 + seed % 5)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(seed, batch, vocab=VOCAB, low=1, high=10)
+    new = 6 + seed % 13
+    ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=new)).outputs
+    tree = GenerationConfig(method="ddtree", budget=budget, topk=topk, max_new_tokens=new)
+    assert [o.token_ids for o in engine.generate(prompts, tree).outputs] == [o.token_ids for o in ar]
+    chain = engine.generate(prompts, GenerationConfig(method="dflash", max_new_tokens=new)).outputs
+    assert [o.token_ids for o in chain] == [o.token_ids for o in ar]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_joining_and_leaving_decode_as_alone(kind: str) -> None:
+    """Continuous batching: a slot's states are its request's, whoever held the slot before."""
+    target, drafter = tiny_hybrid_pair(kind, 3, vocab=VOCAB)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(3, 7, vocab=VOCAB)
+    ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=14)).outputs
+    for method in ("ar", "dflash", "ddtree"):
+        config = GenerationConfig(method=method, budget=10, max_new_tokens=14)
+        out = engine.stream(prompts, config, slots=3).outputs
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar], method
+
+
+def test_sampled_ddtree_follows_the_hybrid_targets_distribution() -> None:
+    target, drafter = tiny_hybrid_pair("qwen3_5", 11, vocab=VOCAB, block_size=4)
+    prompt, draws = [1, 2, 3], 3000
+    config = GenerationConfig(method="ddtree", budget=12, temperature=1.0, seed=5, max_new_tokens=2)
+    out = Engine(target, drafter).generate([prompt] * draws, config).outputs
+    assert sum(a - 1 for o in out for a in o.acceptance_lengths) > draws // 4, "drafts must be accepted"
+    p1 = target_probs(target, [prompt])[0]
+    joint = p1[:, None] * target_probs(target, [[*prompt, a] for a in range(VOCAB)])  # [vocab, vocab]
+    counts = np.zeros((VOCAB, VOCAB))
+    seqs = np.array([o.token_ids for o in out])
+    np.add.at(counts, (seqs[:, 0], seqs[:, 1]), 1)
+    assert pooled_chisquare(counts.ravel(), joint.ravel()) > 1e-3
+    assert pooled_chisquare(counts.ravel(), np.full(VOCAB * VOCAB, 1 / VOCAB**2)) < 1e-3, "the test has power"
