@@ -19,6 +19,41 @@ CAPACITY_BUCKET = 256  # session capacities are rounded up to this, so nearby le
 
 
 @dataclass(frozen=True)
+class RecurrentDims:
+    """A hybrid target's gated delta-net layers (`ddtree.models.hybrid`): how many, and their state's sizes."""
+
+    layers: int
+    channels: int  # the convolution's channels (queries, keys and values)
+    kernel: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> RecurrentDims | None:
+        """From a hybrid's HF config; None for a config without linear-attention layers."""
+        types = list(getattr(config, "layer_types", None) or [])
+        if "linear_attention" not in types:
+            return None
+        k_heads, v_heads = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        k_dim, v_dim = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        channels = 2 * k_heads * k_dim + v_heads * v_dim
+        kernel = int(config.linear_conv_kernel_dim)
+        return cls(types.count("linear_attention"), channels, kernel, v_heads, k_dim, v_dim)
+
+    def committed_bytes(self, dtype_bytes: int) -> int:
+        """One request's states in every layer: the convolution's last inputs and the float32 matrices."""
+        conv = self.channels * (self.kernel - 1) * dtype_bytes
+        return self.layers * (conv + 4 * self.v_heads * self.k_dim * self.v_dim)
+
+    def node_bytes(self, dtype_bytes: int) -> int:
+        """What one tree node of a verify holds: its inputs to every layer's steps, kept for the commit, and
+        its share of one layer's node states (three of them at once: the state, its parent's and the step)."""
+        inputs = self.channels * dtype_bytes + 4 * self.v_heads * (self.k_dim + self.v_dim + 2)
+        return self.layers * inputs + 3 * 4 * self.v_heads * self.k_dim * self.v_dim
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """What a session's buffers scale with: the target's shapes, its dtype's size, and the drafter's shapes
     (zeros and a block of 1 without a drafter)."""
@@ -36,6 +71,12 @@ class ModelDims:
     draft_kv_heads: int = 0
     draft_head_dim: int = 0
     block: int = 1  # the drafter's block size
+    recurrent: RecurrentDims | None = None  # a hybrid's gated delta-net layers (`layers` counts them too)
+
+    @property
+    def kv_layers(self) -> int:
+        """The target's layers with a KV cache (all but a hybrid's recurrent ones)."""
+        return self.layers - (self.recurrent.layers if self.recurrent else 0)
 
     @classmethod
     def of(cls, target: Any, dtype: torch.dtype, drafter: Any | None = None) -> ModelDims:
@@ -51,6 +92,7 @@ class ModelDims:
             vocab=int(target.vocab_size),
             context=int(limit) if limit else None,
             dtype_bytes=dtype.itemsize,
+            recurrent=RecurrentDims.of(target),
         )
         if drafter is None:
             return dims
@@ -93,7 +135,7 @@ def session_bytes(dims: ModelDims, plan: SessionPlan) -> tuple[int, int]:
     and a float32 copy), the drafter's context features, its block's activations and its logits."""
     slots, width, capacity, size = plan.slots, plan.width, plan.capacity, dims.dtype_bytes
     per_token = 2 * dims.hidden + 2 * dims.intermediate  # activations of one token in a layer
-    kv = 2 * slots * capacity * size * dims.layers * dims.kv_heads * dims.head_dim
+    kv = 2 * slots * capacity * size * dims.kv_layers * dims.kv_heads * dims.head_dim
     tree = slots * width * (width + capacity + (per_token + dims.vocab) * size + 4 * dims.vocab)
     if plan.drafting:
         kv += 2 * slots * capacity * size * dims.draft_layers * dims.draft_kv_heads * dims.draft_head_dim
@@ -102,16 +144,30 @@ def session_bytes(dims: ModelDims, plan: SessionPlan) -> tuple[int, int]:
     return kv, tree
 
 
+def recurrent_bytes(dims: ModelDims, plan: SessionPlan) -> int:
+    """A hybrid target's recurrent states: every slot's committed ones, and what a step's nodes hold until
+    the commit (0 for a dense target)."""
+    r = dims.recurrent
+    if r is None:
+        return 0
+    return plan.slots * (r.committed_bytes(dims.dtype_bytes) + plan.width * r.node_bytes(dims.dtype_bytes))
+
+
 def check_session(dims: ModelDims, plan: SessionPlan, device: torch.device) -> None:
     """CapacityError where the plan exceeds the model's context length or the device's free memory."""
     check_context(dims, plan)
     kv, tree = session_bytes(dims, plan)
+    states = recurrent_bytes(dims, plan)
     free = free_memory(device)
-    if kv + tree > free:
+    if kv + tree + states > free:
         slots = f"{plan.slots} request slot{'s' if plan.slots > 1 else ''}"
+        parts = f"{_size(kv)} of KV cache, {_size(tree)} of tree buffers"
+        if states:
+            per_slot = _size(states // plan.slots)
+            parts += f", {_size(states)} of recurrent states ({per_slot} a slot at {plan.width} tree nodes)"
         raise CapacityError(
-            f"{plan.label} with {slots} of up to {plan.tokens} tokens needs {_size(kv + tree)} "
-            f"({_size(kv)} of KV cache, {_size(tree)} of tree buffers); {_size(free)} are free on {device}"
+            f"{plan.label} with {slots} of up to {plan.tokens} tokens needs {_size(kv + tree + states)} "
+            f"({parts}); {_size(free)} are free on {device}"
         )
 
 

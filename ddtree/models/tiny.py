@@ -52,7 +52,7 @@ def random_llama(config: LlamaConfig, seed: int, init_std: float = 0.2) -> Llama
 def tiny_hybrid_config(
     kind: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
 ) -> Any:
-    """A small hybrid config: gated delta-net layers with gated full attention every second layer.
+    """A small hybrid config: three gated delta-net layers to one of gated full attention, as the models have.
     `kind`: `qwen3_next` (fused projections, a mixture of experts) or `qwen3_5` (Qwen3.5's dense text model)."""
     from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
@@ -71,7 +71,7 @@ def tiny_hybrid_config(
         linear_conv_kernel_dim=4,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
-        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)],
     )
     if kind == "qwen3_next":
         experts: Any = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
@@ -97,13 +97,19 @@ def random_hybrid(config: Any, seed: int, init_std: float = 0.2) -> Any:
     return model
 
 
-def write_tiny_target(out: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 4) -> Path:
-    """Write a random tiny Llama target with a byte-level tokenizer to `out`."""
+def write_tiny_target(
+    out: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 4, hybrid: str | None = None
+) -> Path:
+    """Write a random tiny target with a byte-level tokenizer to `out`: a Llama, or with `hybrid` a hybrid of
+    that kind (`tiny_hybrid_config`)."""
     directory = Path(out)
     tokenizer = byte_tokenizer()
-    config = tiny_llama_config(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers)
+    if hybrid is None:
+        config: Any = tiny_llama_config(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers)
+    else:
+        config = tiny_hybrid_config(hybrid, len(tokenizer), hidden_size=hidden_size, num_layers=num_layers)
     config.eos_token_id = tokenizer.eos_token_id
-    model = random_llama(config, seed)
+    model = random_llama(config, seed) if hybrid is None else random_hybrid(config, seed)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

@@ -10,14 +10,15 @@ import torch
 
 from ddtree.engine import capacity
 from ddtree.engine import engine as engine_module
-from ddtree.engine.capacity import ModelDims, plan_session, session_bytes
+from ddtree.engine.capacity import ModelDims, plan_session, recurrent_bytes, session_bytes
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.errors import CapacityError
 from ddtree.models.default import default_drafter
 from ddtree.models.dflash import read_drafter_config
+from ddtree.models.target import TokenOrder
 from ddtree.models.tiny import tiny_llama_config
 from ddtree.runtime import EngineOptions, check_capacity
-from tests.helpers import tiny_pair
+from tests.helpers import tiny_hybrid_pair, tiny_pair
 
 CONTEXT = 4096  # tiny_llama_config's max_position_embeddings
 
@@ -122,3 +123,34 @@ def test_the_check_from_configs_agrees_with_the_engine(
     monkeypatch.setattr(capacity, "free_memory", lambda device: 10**6)
     with pytest.raises(CapacityError, match=r"ar with 8 request slots of up to 2048 tokens needs .* free on cpu"):
         check_capacity(target, None, GenerationConfig(method="ar"), slots=8, tokens=2048, options=options)
+
+
+def test_a_hybrids_states_are_counted_as_allocated_and_named_when_they_do_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hybrid target: the KV cache covers its attention layers only, the committed recurrent states and a
+    verify's per-node inputs are what the cache holds, and a refusal gives their bytes a slot."""
+    target, drafter = tiny_hybrid_pair("qwen3_5", 0, vocab=24, dtype=torch.float32)
+    engine = Engine(target, drafter)
+    dims = engine.dims
+    assert dims.recurrent is not None and dims.kv_layers == len(target.attention_layers)  # type: ignore[attr-defined]
+    plan = plan_session(dims, engine.shape(GenerationConfig(budget=8)), slots=2, tokens=40)
+    cache = target.new_cache(2, plan.capacity)
+    kv, _ = session_bytes(dims, plan)
+    caches = (cache, drafter.new_cache(2, plan.capacity, target.dtype, target.device))
+    assert kv == sum(t.numel() * t.element_size() for c in caches for t in (c.keys, c.values))
+    committed = sum(t.numel() * t.element_size() for t in (cache.conv, cache.recurrent))  # type: ignore[attr-defined]
+    assert dims.recurrent.committed_bytes(dims.dtype_bytes) * 2 == committed
+    n = plan.width  # a verify of a chain of that many nodes leaves each layer's node inputs until the commit
+    nodes = torch.arange(n).expand(2, -1)
+    visible = torch.tril(torch.ones(n, n, dtype=torch.bool)).expand(2, -1, -1)
+    order = TokenOrder(parents=nodes - 1, depths=nodes, max_depth=n - 1)
+    target.forward(nodes % 24, nodes, visible, cache, n, order=order)
+    pending = cache.pending  # type: ignore[attr-defined]
+    held = sum(t.numel() * t.element_size() for x in pending.values() for t in vars(x).values())
+    node_states = 3 * 4 * dims.recurrent.v_heads * dims.recurrent.k_dim * dims.recurrent.v_dim
+    assert held == 2 * plan.width * (dims.recurrent.node_bytes(dims.dtype_bytes) - node_states)
+    assert recurrent_bytes(dims, plan) > committed
+    monkeypatch.setattr(capacity, "free_memory", lambda device: 10**4)
+    with pytest.raises(CapacityError, match=r"of recurrent states \(.* a slot at 9 tree nodes\)"):
+        capacity.check_session(dims, plan, target.device)

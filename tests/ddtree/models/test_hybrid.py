@@ -5,14 +5,19 @@ the target's distribution."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddtree.cli.main import main
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.models.hybrid import HybridTarget
+from ddtree.models.pair import load_models
+from ddtree.models.tiny import write_tiny_target
 from tests.ddtree.test_sampling import pooled_chisquare, target_probs
 from tests.helpers import random_prompts, tiny_hybrid_pair
 
@@ -91,3 +96,20 @@ def test_sampled_ddtree_follows_the_hybrid_targets_distribution() -> None:
     np.add.at(counts, (seqs[:, 0], seqs[:, 1]), 1)
     assert pooled_chisquare(counts.ravel(), joint.ravel()) > 1e-3
     assert pooled_chisquare(counts.ravel(), np.full(VOCAB * VOCAB, 1 / VOCAB**2)) < 1e-3, "the test has power"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hybrid_directory_loads_and_gets_a_drafter(kind: str, tmp_path: Path) -> None:
+    """From disk, as users have them: `drafter init` sizes a drafter to the hybrid (its feature layers may
+    be gated delta-net layers), and the loaded pair decodes as ar."""
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    write_tiny_target(target_dir, seed=4, hidden_size=32, num_layers=4, hybrid=kind)
+    assert main(["drafter", "init", "--model", str(target_dir), "--out", str(drafter_dir), "--num-features", "3"]) == 0
+    target, drafter, _ = load_models(str(target_dir), str(drafter_dir), "cpu", "float32")
+    assert isinstance(target, HybridTarget) and drafter is not None
+    assert set(drafter.target_layer_ids) & set(target.gdn_layers), "a feature layer is a gated delta-net layer"
+    engine = Engine(target, drafter)
+    prompts = random_prompts(4, 2, vocab=200)
+    ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=10)).outputs
+    out = engine.generate(prompts, GenerationConfig(method="ddtree", budget=16, max_new_tokens=10)).outputs
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
