@@ -351,7 +351,7 @@ def _mutants() -> list[Mutant]:
             "ddtree/models/gdn.py",
             (
                 (
-                    "before = torch.where((parents >= 0)[..., None, None, None], nodes[rows, parents.clamp(min=0)], state[:, None])",
+                    "before = torch.where((parents >= 0)[..., None, None, None], parent, state[:, None])",
                     "before = state[:, None].expand_as(nodes)",
                 ),
             ),

@@ -111,7 +111,8 @@ def tree_delta_rule(
     rows = torch.arange(batch, device=parents.device)[:, None]
     nodes = state[:, None].expand(batch, n, *state.shape[1:]).clone()  # [batch, n, v_heads, k_dim, v_dim]
     for depth in range(max_depth + 1):
-        before = torch.where((parents >= 0)[..., None, None, None], nodes[rows, parents.clamp(min=0)], state[:, None])
+        parent = nodes[rows, parents.clamp(min=0)]
+        before = torch.where((parents >= 0)[..., None, None, None], parent, state[:, None])
         stepped = delta_step(before, inputs.key, inputs.value, inputs.decay, inputs.beta)
         nodes = torch.where((depths == depth)[..., None, None, None], stepped, nodes)
     return (nodes * query[..., None]).sum(dim=-2)

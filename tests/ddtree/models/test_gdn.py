@@ -79,7 +79,7 @@ def test_each_node_convolves_its_ancestors_then_the_committed_inputs() -> None:
 
 def test_the_commit_keeps_the_last_accepted_nodes_states() -> None:
     gen = torch.Generator().manual_seed(2)
-    query, inputs, state = _inputs(gen)
+    _, inputs, state = _inputs(gen)
     conv_state = torch.randn(2, CHANNELS, KERNEL - 1, generator=gen, dtype=torch.float64)
     path = torch.tensor([[0, 1, 3, 4, 4], [0, 1, 2, 2, 2]])  # padded by repeating the last node, as `accept` does
     advance = torch.tensor([4, 0])  # request 1 finished: nothing commits
