@@ -76,7 +76,9 @@ def tiny_hybrid_config(
     if kind == "qwen3_next":
         experts: Any = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
         config = Qwen3NextConfig(**shared, **experts, shared_expert_intermediate_size=hidden_size // 2)
-        config._experts_implementation = "eager"  # any dtype (the grouped kernel takes 16- and 32-bit floats)
+        # any dtype (the grouped kernel takes 16- and 32-bit floats) and no host sync, so CUDA graphs capture
+        # it (the eager loop's `nonzero` cannot be captured)
+        config._experts_implementation = "batched_mm"
         return config
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**shared)

@@ -20,8 +20,8 @@ def target_probs(target: object, prefixes: list[list[int]], temperature: float =
     """Exact next-token probabilities at `temperature`, `[len(prefixes), vocab]`, from the HF model itself."""
     model = target.model  # type: ignore[attr-defined]
     with torch.no_grad():
-        logits = model(torch.tensor(prefixes)).logits[:, -1].double()
-    return torch.softmax(logits / temperature, dim=-1).numpy()
+        logits = model(torch.tensor(prefixes, device=model.device)).logits[:, -1].double()
+    return torch.softmax(logits / temperature, dim=-1).cpu().numpy()
 
 
 def pooled_chisquare(counts: np.ndarray, probs: np.ndarray) -> float:
