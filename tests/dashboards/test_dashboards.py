@@ -107,10 +107,12 @@ def test_prometheus_with_the_shipped_config_finds_the_server_up(run: Run, tmp_pa
 
         def up() -> bool:
             try:
-                reply = httpx.get(f"http://127.0.0.1:{prom_port}/api/v1/targets", timeout=5).json()
+                reply = httpx.get(f"http://127.0.0.1:{prom_port}/api/v1/targets", timeout=5)
             except httpx.HTTPError:
                 return False  # still starting
-            targets[:] = reply["data"]["activeTargets"]
+            if reply.status_code != 200:
+                return False  # listening, not serving yet ("Service Unavailable")
+            targets[:] = reply.json()["data"]["activeTargets"]
             return any(t["health"] == "up" for t in targets)
 
         assert wait_for(up), targets
