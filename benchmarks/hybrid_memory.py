@@ -1,10 +1,11 @@
 """What a hybrid target's recurrent states cost a request slot, at real shapes (transformers' default configs:
-Qwen3.5-9B style and Qwen3-Next-80B-A3B style), in bfloat16 with the shipped drafter's block of 16:
+Qwen3.5-9B style, Qwen3-Next-80B-A3B style, and Bamba-9B's with its attention at layers 9, 18 and 27), in
+bfloat16 with the shipped drafter's block of 16:
 
     python benchmarks/hybrid_memory.py [TOKENS]
 
-Per method and budget: the committed states (every gated delta-net layer's convolution inputs and float32
-matrices), what a step's tree nodes hold until the commit, and the KV cache of the attention layers for
+Per method and budget: the committed states (every recurrent layer's convolution inputs and float32
+state), what a step's tree nodes hold until the commit, and the KV cache of the attention layers for
 TOKENS tokens (default 4096), all per slot; from `ddtree.engine.capacity`, the numbers the engine checks
 against free memory before it allocates."""
 
@@ -13,12 +14,16 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+from transformers import BambaConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
 from ddtree.engine.capacity import ModelDims, plan_session, recurrent_bytes, session_bytes
 from ddtree.methods import get_method
 
-SHAPES = {"Qwen3.5-9B style": Qwen3_5TextConfig(), "Qwen3-Next-80B-A3B style": Qwen3NextConfig()}
+SHAPES = {
+    "Qwen3.5-9B style": Qwen3_5TextConfig(),
+    "Qwen3-Next-80B-A3B style": Qwen3NextConfig(),
+    "Bamba-9B style": BambaConfig(attn_layer_indices=[9, 18, 27]),
+}
 RUNS = (("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64))
 DEPTH = 15  # the shipped drafter's block of 16
 

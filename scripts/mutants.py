@@ -334,9 +334,9 @@ def _mutants() -> list[Mutant]:
             PROBE,
         ),
         Mutant(
-            "gdn-conv-reads-neighbours",
+            "recurrent-conv-reads-neighbours",
             "a tree node's convolution reads the nodes before it in the flattened tree, not its ancestors",
-            "ddtree/models/gdn.py",
+            "ddtree/models/recurrent.py",
             (
                 (
                     "node = parents.gather(1, node.clamp(min=0)).where(node >= 0, node)  # -1 stays -1",
@@ -346,25 +346,25 @@ def _mutants() -> list[Mutant]:
             HYBRID,
         ),
         Mutant(
-            "gdn-nodes-step-from-the-committed-state",
+            "recurrent-nodes-step-from-the-committed-state",
             "every tree node's recurrent state steps from the committed state, not from its parent's",
-            "ddtree/models/gdn.py",
+            "ddtree/models/recurrent.py",
             (
                 (
-                    "before = torch.where((parents >= 0)[..., None, None, None], parent, state[:, None])",
+                    "before = torch.where((parents >= 0)[(..., *tail)], parent, state[:, None])",
                     "before = state[:, None].expand_as(nodes)",
                 ),
             ),
             HYBRID,
         ),
         Mutant(
-            "gdn-commit-steps-the-last-node-only",
+            "recurrent-commit-steps-the-last-node-only",
             "the commit advances the recurrent state by the accepted path's last node alone",
-            "ddtree/models/gdn.py",
+            "ddtree/models/recurrent.py",
             (
                 (
-                    "state.copy_(torch.where((j < advance)[:, None, None, None], stepped, state))",
-                    "state.copy_(torch.where((j == advance - 1)[:, None, None, None], stepped, state))",
+                    "state.copy_(torch.where((j < advance)[(..., *tail)], stepped, state))",
+                    "state.copy_(torch.where((j == advance - 1)[(..., *tail)], stepped, state))",
                 ),
             ),
             HYBRID,

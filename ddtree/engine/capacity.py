@@ -5,6 +5,7 @@ raise `CapacityError` before anything is allocated.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,43 +15,40 @@ import torch
 from ddtree.engine.requests import cache_tokens, round_up
 from ddtree.errors import CapacityError
 from ddtree.methods import TreeShape, get_method
+from ddtree.models.hybrid import LINEAR, MixerShape
+from ddtree.models.target import HYBRID_MODEL_TYPES
 
 CAPACITY_BUCKET = 256  # session capacities are rounded up to this, so nearby lengths share a session
 
 
 @dataclass(frozen=True)
 class RecurrentDims:
-    """A hybrid target's gated delta-net layers (`ddtree.models.hybrid`): how many, and their state's sizes."""
+    """A hybrid target's recurrent layers (`ddtree.models.hybrid`): how many, and one's sizes."""
 
     layers: int
-    channels: int  # the convolution's channels (queries, keys and values)
-    kernel: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
+    mixer: MixerShape
 
     @classmethod
-    def of(cls, config: Any) -> RecurrentDims | None:
-        """From a hybrid's HF config; None for a config without linear-attention layers."""
-        types = list(getattr(config, "layer_types", None) or [])
-        if "linear_attention" not in types:
+    def of(cls, config: Any, dtype: torch.dtype) -> RecurrentDims | None:
+        """From a hybrid's HF config; None for a dense one."""
+        if getattr(config, "model_type", None) not in HYBRID_MODEL_TYPES:
             return None
-        k_heads, v_heads = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
-        k_dim, v_dim = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
-        channels = 2 * k_heads * k_dim + v_heads * v_dim
-        kernel = int(config.linear_conv_kernel_dim)
-        return cls(types.count("linear_attention"), channels, kernel, v_heads, k_dim, v_dim)
+        return cls(list(config.layer_types).count(LINEAR), MixerShape.of(config, dtype))
 
     def committed_bytes(self, dtype_bytes: int) -> int:
-        """One request's states in every layer: the convolution's last inputs and the float32 matrices."""
-        conv = self.channels * (self.kernel - 1) * dtype_bytes
-        return self.layers * (conv + 4 * self.v_heads * self.k_dim * self.v_dim)
+        """One request's states in every layer: the convolution's last inputs and the recurrent state."""
+        m = self.mixer
+        return self.layers * (m.channels * (m.kernel - 1) * dtype_bytes + self._state_bytes)
 
     def node_bytes(self, dtype_bytes: int) -> int:
         """What one tree node of a verify holds: its inputs to every layer's steps, kept for the commit, and
         its share of one layer's node states (three of them at once: the state, its parent's and the step)."""
-        inputs = self.channels * dtype_bytes + 4 * self.v_heads * (self.k_dim + self.v_dim + 2)
-        return self.layers * inputs + 3 * 4 * self.v_heads * self.k_dim * self.v_dim
+        m = self.mixer
+        return self.layers * (m.channels * dtype_bytes + m.node_input_bytes(dtype_bytes)) + 3 * self._state_bytes
+
+    @property
+    def _state_bytes(self) -> int:
+        return math.prod(self.mixer.state) * self.mixer.state_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -92,7 +90,7 @@ class ModelDims:
             vocab=int(target.vocab_size),
             context=int(limit) if limit else None,
             dtype_bytes=dtype.itemsize,
-            recurrent=RecurrentDims.of(target),
+            recurrent=RecurrentDims.of(target, dtype),
         )
         if drafter is None:
             return dims

@@ -1,87 +1,21 @@
-"""The gated delta-net (GDN) of hybrid targets (Qwen3-Next, Qwen3.5), over a chain or a draft tree.
+"""The gated delta-net (GDN) of Qwen3-Next and Qwen3.5: its step, for `ddtree.models.recurrent`.
 
-A GDN layer keeps two states per request: the last `K - 1` inputs of its short causal convolution
-(`conv [batch, channels, K - 1]`) and a matrix per value head (`recurrent [batch, v_heads, k_dim, v_dim]`,
-float32). A token's step reads its predecessor's states; in a tree a node's predecessor is its parent, so
-
-- its convolution window is its own input and its `K - 1` nearest ancestors' (past the root: the
-  committed inputs), not its neighbours' in the flattened tree (`tree_windows`, `tree_conv`);
-- its recurrent state is its parent's, advanced by its own step (`delta_step`). `tree_delta_rule` takes one
-  batched step per depth, over every node and request, from the parent states of the depth before.
-
-What a verify's nodes feed their steps (`NodeInputs`) is kept until the accept: the committed states then
-advance along the accepted path only (`commit_path`), so nothing of the other nodes survives the step.
-The per-token arithmetic is the one of transformers' reference `torch_recurrent_gated_delta_rule` and
-`causal_conv1d_update`, so a one-node step is a decode step of the model as transformers runs it.
+A GDN layer's recurrent state is a matrix per value head (`[batch, v_heads, k_dim, v_dim]`, float32). A
+node's step inputs are its key (l2-normed), value, decay (log-space) and beta. The arithmetic is that of
+transformers' reference `torch_recurrent_gated_delta_rule`, so a one-node step is a decode step of the
+model as transformers runs it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class NodeInputs:
-    """What each node of a verify fed its layer's states, for the commit along the accepted path."""
-
-    conv_in: torch.Tensor  # [batch, n, channels] the convolution's inputs
-    key: torch.Tensor  # [batch, n, v_heads, k_dim] float32, l2-normed
-    value: torch.Tensor  # [batch, n, v_heads, v_dim] float32
-    decay: torch.Tensor  # [batch, n, v_heads] float32, log-space (<= 0)
-    beta: torch.Tensor  # [batch, n, v_heads] float32
+from ddtree.models.recurrent import NodeInputs, tree_states
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / |x|` over the last dimension, as the reference kernels compute it."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def tree_windows(parents: torch.Tensor, depths: torch.Tensor, kernel: int) -> torch.Tensor:
-    """[batch, n, kernel] where each node's convolution window sits in `[history | nodes]` (`kernel - 1`
-    committed inputs, then the n nodes' inputs): column `kernel - 1` is the node itself, column
-    `kernel - 1 - j` its ancestor j levels up, and past the root the committed inputs, newest last.
-
-    `parents` `[batch, n]` (-1: a root or padding), `depths` `[batch, n]` (0: a root or padding)."""
-    history = kernel - 1
-    node = torch.arange(parents.shape[1], device=parents.device).expand_as(parents)
-    columns = [node + history]
-    for j in range(1, kernel):
-        past = history - (j - depths)  # where the node's j-th predecessor sits once it is past the root
-        node = parents.gather(1, node.clamp(min=0)).where(node >= 0, node)  # -1 stays -1
-        columns.append(torch.where(depths >= j, node + history, past.clamp(min=0)))
-    return torch.stack(columns[::-1], dim=-1)
-
-
-def tree_conv(
-    conv_in: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
-) -> torch.Tensor:
-    """The convolution (then SiLU) of every node over its own window. `conv_in` `[batch, n, channels]`,
-    `conv_state` `[batch, channels, kernel - 1]`, `weight` `[channels, kernel]`, `windows` from
-    `tree_windows`; returns `[batch, n, channels]` in `conv_in`'s dtype."""
-    batch, n, channels = conv_in.shape
-    kernel = weight.shape[-1]
-    table = torch.cat([conv_state.transpose(1, 2), conv_in.to(conv_state.dtype)], dim=1)  # [batch, K-1+n, C]
-    gathered = table.gather(1, windows.reshape(batch, n * kernel, 1).expand(-1, -1, channels))
-    window = gathered.view(batch * n, kernel, channels).transpose(1, 2).to(weight.dtype)  # [batch*n, C, K]
-    out = F.silu(F.conv1d(window, weight[:, None, :], groups=channels))  # [batch*n, C, 1]
-    return out.view(batch, n, channels).to(conv_in.dtype)
-
-
-def chain_conv(
-    conv_in: torch.Tensor, lengths: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
-) -> torch.Tensor:
-    """A chain's convolution (a prefill: each request's first `lengths` `[batch]` tokens in order, then
-    padding) from `conv_state`, which it then holds the last `kernel - 1` real inputs of. Returns
-    `[batch, n, channels]`."""
-    kernel, n = weight.shape[-1], conv_in.shape[1]
-    table = torch.cat([conv_state, conv_in.transpose(1, 2).to(conv_state.dtype)], dim=2)  # [batch, C, K-1+n]
-    out = F.silu(F.conv1d(table.to(weight.dtype), weight[:, None, :], groups=weight.shape[0]))[:, :, -n:]
-    last = lengths[:, None] + torch.arange(kernel - 1, device=lengths.device)[None, :]  # [batch, K-1]
-    conv_state.copy_(table.gather(2, last[:, None, :].expand(-1, table.shape[1], -1)))
-    return out.transpose(1, 2).to(conv_in.dtype)
 
 
 def delta_step(
@@ -96,6 +30,13 @@ def delta_step(
     return state + key[..., None] * delta[..., None, :]
 
 
+def gdn_inputs(
+    conv_in: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor
+) -> NodeInputs:
+    """A verify's node inputs for `delta_step` (key `[batch, n, v_heads, k_dim]`, value, decay, beta)."""
+    return NodeInputs(conv_in, (key, value, decay, beta))
+
+
 def tree_delta_rule(
     query: torch.Tensor,
     inputs: NodeInputs,
@@ -105,34 +46,6 @@ def tree_delta_rule(
     max_depth: int,
 ) -> torch.Tensor:
     """Every node's output `[batch, n, v_heads, v_dim]` (float32): its query `[batch, n, v_heads, k_dim]`
-    (normed and scaled) read from its own state, which is its parent's (the committed `state` for a root)
-    advanced by its step. One batched step per depth 0..`max_depth` (a host-side bound on `depths`)."""
-    batch, n = parents.shape
-    rows = torch.arange(batch, device=parents.device)[:, None]
-    nodes = state[:, None].expand(batch, n, *state.shape[1:]).clone()  # [batch, n, v_heads, k_dim, v_dim]
-    for depth in range(max_depth + 1):
-        parent = nodes[rows, parents.clamp(min=0)]
-        before = torch.where((parents >= 0)[..., None, None, None], parent, state[:, None])
-        stepped = delta_step(before, inputs.key, inputs.value, inputs.decay, inputs.beta)
-        nodes = torch.where((depths == depth)[..., None, None, None], stepped, nodes)
+    (normed and scaled) read from its own state (`tree_states`)."""
+    nodes = tree_states(delta_step, inputs.steps, parents, depths, state, max_depth)
     return (nodes * query[..., None]).sum(dim=-2)
-
-
-def commit_path(
-    conv_state: torch.Tensor, state: torch.Tensor, inputs: NodeInputs, path: torch.Tensor, advance: torch.Tensor
-) -> None:
-    """Advance the committed states (in place) by each request's first `advance` `[batch]` nodes of `path`
-    `[batch, p]` (node indices of the verify that fed `inputs`; p bounds `advance`)."""
-    batch, p = path.shape
-    rows = torch.arange(batch, device=path.device)
-    for j in range(p):
-        node = path[:, j]
-        stepped = delta_step(
-            state, inputs.key[rows, node], inputs.value[rows, node], inputs.decay[rows, node], inputs.beta[rows, node]
-        )
-        state.copy_(torch.where((j < advance)[:, None, None, None], stepped, state))
-    history = conv_state.shape[2]
-    kept = inputs.conv_in.gather(1, path[:, :, None].expand(-1, -1, inputs.conv_in.shape[2]))  # [batch, p, C]
-    table = torch.cat([conv_state, kept.transpose(1, 2).to(conv_state.dtype)], dim=2)  # [batch, C, K-1+p]
-    last = advance[:, None] + torch.arange(history, device=path.device)[None, :]  # [batch, K-1]
-    conv_state.copy_(table.gather(2, last[:, None, :].expand(-1, table.shape[1], -1)))

@@ -1,16 +1,18 @@
-"""Hybrid targets: gated delta-net (GDN) layers interleaved with gated full attention (Qwen3-Next, Qwen3.5),
-run by our layer loop like the dense targets.
+"""Hybrid targets, run by our layer loop like the dense targets: recurrent layers interleaved with full
+attention. Gated delta-net (GDN) with gated attention (Qwen3-Next, Qwen3.5), and Mamba2 with attention
+(Bamba).
 
 The attention layers keep the tree attention and the KV cache (`HybridCache` holds them for the attention
-layers only). Each GDN layer keeps its convolution and recurrent states per request; a verify runs its nodes
-from their parents' states (`ddtree.models.gdn`) and leaves what they fed their steps in the cache, and
-`HybridCache.compact` (the accept's commit) advances the states along the accepted path. A prefill runs each
-prompt as a chain, through transformers' own chunked kernel.
+layers only). Each recurrent layer keeps its convolution and recurrent states per request; a verify runs its
+nodes from their parents' states (`ddtree.models.recurrent`) and leaves what they fed their steps in the
+cache, and `HybridCache.compact` (the accept's commit) advances the states along the accepted path. A prefill
+runs each prompt as a chain, through transformers' own chunked kernel.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,27 +21,29 @@ from torch.nn import functional as F
 
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
-from ddtree.models.gdn import NodeInputs, chain_conv, commit_path, l2norm, tree_conv, tree_delta_rule, tree_windows
+from ddtree.models.gdn import delta_step, gdn_inputs, l2norm, tree_delta_rule
 from ddtree.models.layers import merge_heads
+from ddtree.models.mamba2 import ssm_read, ssm_step
+from ddtree.models.recurrent import NodeInputs, Step, chain_conv, commit_path, tree_conv, tree_states, tree_windows
 from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder
 
-LINEAR = "linear_attention"
+LINEAR = "linear_attention"  # the recurrent layers' type in `config.layer_types` (GDN or Mamba2)
+MAMBA2_MODEL_TYPES = ("bamba",)
 
 
 class HybridCache(KVCache):
-    """The attention layers' keys and values (`KVCache`, indexed by attention layer), and each GDN layer's
-    committed states: `conv [gdn_layers, batch, channels, kernel - 1]` (the model's dtype) and
-    `recurrent [gdn_layers, batch, v_heads, k_dim, v_dim]` (float32). `pending`: what the last verify's nodes
-    fed each GDN layer, until `compact` commits the accepted path."""
+    """The attention layers' keys and values (`KVCache`, indexed by attention layer), and each recurrent
+    layer's committed states: `conv [recurrent_layers, batch, channels, kernel - 1]` (the model's dtype) and
+    `recurrent [recurrent_layers, batch, *state]` (`MixerShape.state_dtype`). `pending`: what the last
+    verify's nodes fed each recurrent layer, and its step, until `compact` commits the accepted path."""
 
     def __init__(self, target: HybridTarget, batch: int, capacity: int) -> None:
         dtype, device = target.dtype, target.device
         super().__init__(len(target.attention_layers), batch, target.kv_heads, target.head_dim, capacity, dtype, device)
-        g = target.gdn
-        layers = len(target.gdn_layers)
-        self.conv = torch.zeros((layers, batch, g.channels, g.kernel - 1), dtype=dtype, device=device)
-        self.recurrent = torch.zeros((layers, batch, g.v_heads, g.k_dim, g.v_dim), dtype=torch.float32, device=device)
-        self.pending: dict[int, NodeInputs] = {}
+        m, layers = target.mixer, len(target.recurrent_layers)
+        self.conv = torch.zeros((layers, batch, m.channels, m.kernel - 1), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((layers, batch, *m.state), dtype=m.state_dtype, device=device)
+        self.pending: dict[int, tuple[Step, NodeInputs]] = {}
         self.pending_steps = 0  # nodes of a path the pending inputs can commit (the verify's depth bound + 1)
 
     def narrow(self, rows: int) -> HybridCache:
@@ -60,39 +64,61 @@ class HybridCache(KVCache):
 
     def compact(self, path: torch.Tensor, advance: torch.Tensor) -> None:
         steps = path[:, : max(self.pending_steps, 1)]
-        for layer, inputs in self.pending.items():
-            commit_path(self.conv[layer], self.recurrent[layer], inputs, steps, advance)
+        for layer, (step, inputs) in self.pending.items():
+            commit_path(step, self.conv[layer], self.recurrent[layer], inputs, steps, advance)
         self.pending.clear()
         super().compact(path, advance)
 
 
-class GDNShape:
-    """A GDN layer's sizes, from the config."""
+@dataclass(frozen=True)
+class MixerShape:
+    """A recurrent layer's sizes: the convolution's channels and kernel, the state's shape and dtype
+    (float32, as transformers' kernels keep it; float64 for a float64 Mamba2), and the GDN's heads."""
 
-    def __init__(self, config: Any) -> None:
-        self.k_heads = int(config.linear_num_key_heads)
-        self.v_heads = int(config.linear_num_value_heads)
-        self.k_dim = int(config.linear_key_head_dim)
-        self.v_dim = int(config.linear_value_head_dim)
-        self.kernel = int(config.linear_conv_kernel_dim)
-        self.channels = 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    mamba2: bool
+    channels: int
+    kernel: int
+    state: tuple[int, ...]  # GDN: (v_heads, k_dim, v_dim); Mamba2: (heads, head_dim, state_size)
+    state_dtype: torch.dtype
+    k_heads: int = 0  # the GDN's query and key heads (0 for Mamba2)
+
+    @classmethod
+    def of(cls, config: Any, dtype: torch.dtype) -> MixerShape:
+        if config.model_type in MAMBA2_MODEL_TYPES:
+            heads, head_dim, size = int(config.mamba_n_heads), int(config.mamba_d_head), int(config.mamba_d_state)
+            inner, groups = int(config.mamba_expand * config.hidden_size), int(config.mamba_n_groups)
+            state_dtype = torch.promote_types(dtype, torch.float32)
+            return cls(True, inner + 2 * groups * size, int(config.mamba_d_conv), (heads, head_dim, size), state_dtype)
+        k_heads, v_heads = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        k_dim, v_dim = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        channels = 2 * k_heads * k_dim + v_heads * v_dim
+        return cls(False, channels, int(config.linear_conv_kernel_dim), (v_heads, k_dim, v_dim), torch.float32, k_heads)
+
+    def node_input_bytes(self, dtype_bytes: int) -> int:
+        """What one node feeds a layer's step, its convolution input aside: the GDN's key, value, decay and
+        beta (float32); Mamba2's x, B and dt (the model's dtype)."""
+        heads, a, b = self.state
+        if self.mamba2:
+            return dtype_bytes * heads * (a + b + 1)
+        return 4 * heads * (a + b + 2)
 
 
 class HybridTarget(Target):
-    """A target whose layers are GDN (`linear_attention`) or gated full attention (`full_attention`)."""
+    """A target whose layers are recurrent (`linear_attention`: GDN or Mamba2) or full attention (gated in
+    the Qwen models)."""
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()) -> None:
         super().__init__(model, feature_layers)
         types = list(self.config.layer_types)
-        self.gdn_layers = [i for i, t in enumerate(types) if t == LINEAR]
+        self.recurrent_layers = [i for i, t in enumerate(types) if t == LINEAR]
         self.attention_layers = [i for i, t in enumerate(types) if t != LINEAR]
-        self._slot = {layer: j for j, layer in enumerate(self.gdn_layers)} | {
+        self._slot = {layer: j for j, layer in enumerate(self.recurrent_layers)} | {
             layer: j for j, layer in enumerate(self.attention_layers)
         }
-        self.gdn = GDNShape(self.config)
+        self.mixer = MixerShape.of(self.config, self.dtype)
         module = sys.modules[type(model).__module__]
         self._rotate = module.apply_rotary_pos_emb  # partial rotary, as the model applies it
-        self._chunk_rule = module.torch_chunk_gated_delta_rule
+        self._chunk_rule = getattr(module, "mamba2_chunk_scan" if self.mixer.mamba2 else "torch_chunk_gated_delta_rule")
         self._mrope = hasattr(self.rotary, "mrope_section")  # Qwen3.5 takes [3, batch, n] positions
 
     def new_cache(self, batch: int, capacity: int) -> HybridCache:
@@ -122,15 +148,18 @@ class HybridTarget(Target):
         if not isinstance(cache, HybridCache):
             raise TypeError("a hybrid target runs on its own cache (HybridTarget.new_cache)")
         h = layer.input_layernorm(x)
-        if index in self.gdn_layers:
-            mixed = self._gdn(layer.linear_attn, self._slot[index], h, cache, order or TokenOrder())
+        slot, order = self._slot[index], order or TokenOrder()
+        if hasattr(layer, "linear_attn"):
+            mixed = self._gdn(layer.linear_attn, slot, h, cache, order)
+        elif hasattr(layer, "mamba"):
+            mixed = self._mamba2(layer.mamba, slot, h, cache, order)
         else:
-            rope = (cos, sin)
-            mixed = self._attention(
-                layer.self_attn, self._slot[index], h, rope, slots, mask, cache, key_span, attention
-            )
+            mixed = self._attention(layer.self_attn, slot, h, (cos, sin), slots, mask, cache, key_span, attention)
         x = x + mixed
-        out = layer.mlp(layer.post_attention_layernorm(x))
+        if hasattr(layer, "feed_forward"):  # Bamba's names
+            out = layer.feed_forward(layer.pre_ff_layernorm(x))
+        else:
+            out = layer.mlp(layer.post_attention_layernorm(x))
         result: torch.Tensor = x + (out[0] if isinstance(out, tuple) else out)  # a mixture of experts may pair it
         return result
 
@@ -146,57 +175,72 @@ class HybridTarget(Target):
         key_span: int,
         attention: str,
     ) -> torch.Tensor:
-        """Gated attention: the query projection carries a gate per head, applied to the attention's output."""
+        """Attention over the tree; in the Qwen models the query projection also carries a gate per head,
+        applied to the attention's output."""
         batch, n, _ = h.shape
         dim = self.head_dim
-        query, gate = torch.chunk(attn.q_proj(h).view(batch, n, -1, 2 * dim), 2, dim=-1)
-        q = attn.q_norm(query).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(h).view(batch, n, -1, dim)).transpose(1, 2)
+        projected = attn.q_proj(h)
+        gated = projected.shape[-1] == 2 * self.config.num_attention_heads * dim
+        if gated:
+            query, gate = torch.chunk(projected.view(batch, n, -1, 2 * dim), 2, dim=-1)
+        else:
+            query, gate = projected.view(batch, n, -1, dim), None
+        k = attn.k_proj(h).view(batch, n, -1, dim)
+        if hasattr(attn, "q_norm"):
+            query, k = attn.q_norm(query), attn.k_norm(k)
         v = attn.v_proj(h).view(batch, n, -1, dim).transpose(1, 2)
-        q, k = self._rotate(q, k, *rope)
+        q, k = self._rotate(query.transpose(1, 2), k.transpose(1, 2), *rope)
         cache.write(slot, slots, k, v)
         if attention == "triton":  # `mask` is `visible`, which the kernel reads as it is
             out = tree_attention(q, cache.keys[slot], cache.values[slot], cache.lengths, mask, attn.scaling)
         else:
             keys, values = cache.read(slot, key_span)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        gated = merge_heads(out) * torch.sigmoid(gate.reshape(batch, n, -1))
-        result: torch.Tensor = attn.o_proj(gated)
+        merged = merge_heads(out)
+        if gate is not None:
+            merged = merged * torch.sigmoid(gate.reshape(batch, n, -1))
+        result: torch.Tensor = attn.o_proj(merged)
         return result
+
+    def _convolve(
+        self, conv_in: torch.Tensor, conv: Any, slot: int, cache: HybridCache, order: TokenOrder
+    ) -> torch.Tensor:
+        """The short convolution of a chain or of every tree node over its own ancestors (then SiLU)."""
+        weight, bias = conv.weight[:, 0, :], conv.bias  # [channels, kernel], [channels] or None
+        if order.parents is None:  # a chain: each request's first `lengths` tokens
+            lengths = order.lengths if order.lengths is not None else torch.full_like(cache.lengths, conv_in.shape[1])
+            return chain_conv(conv_in, lengths, cache.conv[slot], weight, bias)
+        depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
+        return tree_conv(
+            conv_in, cache.conv[slot], weight, tree_windows(order.parents, depths, self.mixer.kernel), bias
+        )
 
     def _gdn(self, attn: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder) -> torch.Tensor:
         batch, n, _ = h.shape
-        g = self.gdn
+        k_heads, (v_heads, k_dim, v_dim) = self.mixer.k_heads, self.mixer.state
         conv_in, z, b, a = _projections(attn, h)
-        weight = attn.conv1d.weight[:, 0, :]  # [channels, kernel]
-        conv_state, state = cache.conv[slot], cache.recurrent[slot]
-        if order.parents is None:  # a chain: each request's first `lengths` tokens
-            lengths = order.lengths if order.lengths is not None else torch.full_like(cache.lengths[:batch], n)
-            mixed = chain_conv(conv_in, lengths, conv_state, weight)
-        else:
-            windows = tree_windows(order.parents, order.depths if order.depths is not None else order.parents, g.kernel)
-            mixed = tree_conv(conv_in, conv_state, weight, windows)
-        q, k, v = torch.split(mixed, [g.k_heads * g.k_dim, g.k_heads * g.k_dim, g.v_heads * g.v_dim], dim=-1)
-        repeat = g.v_heads // g.k_heads
-        q = q.reshape(batch, n, g.k_heads, g.k_dim).repeat_interleave(repeat, dim=2)
-        k = k.reshape(batch, n, g.k_heads, g.k_dim).repeat_interleave(repeat, dim=2)
-        v = v.reshape(batch, n, g.v_heads, g.v_dim)
+        mixed = self._convolve(conv_in, attn.conv1d, slot, cache, order)
+        q, k, v = torch.split(mixed, [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], dim=-1)
+        q = q.reshape(batch, n, k_heads, k_dim).repeat_interleave(v_heads // k_heads, dim=2)
+        k = k.reshape(batch, n, k_heads, k_dim).repeat_interleave(v_heads // k_heads, dim=2)
+        v = v.reshape(batch, n, v_heads, v_dim)
         beta = b.sigmoid()
         decay = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
+        state = cache.recurrent[slot]
         if order.parents is None:
-            out = self._chain_rule(q, k, v, decay, beta, order, state)
+            out = self._chain_gdn(q, k, v, decay, beta, order, state)
         else:
-            inputs = NodeInputs(conv_in, l2norm(k.float()), v.float(), decay, beta.float())
-            query = l2norm(q.float()) / (g.k_dim**0.5)
+            inputs = gdn_inputs(conv_in, l2norm(k.float()), v.float(), decay, beta.float())
+            query = l2norm(q.float()) / (k_dim**0.5)
             depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
             out = tree_delta_rule(query, inputs, order.parents, depths, state, order.max_depth).to(h.dtype)
-            cache.pending[slot] = inputs
+            cache.pending[slot] = (delta_step, inputs)
             cache.pending_steps = order.max_depth + 1
-        normed = attn.norm(out.reshape(-1, g.v_dim), z.reshape(-1, g.v_dim)).reshape(batch, n, -1)
+        normed = attn.norm(out.reshape(-1, v_dim), z.reshape(-1, v_dim)).reshape(batch, n, -1)
         result: torch.Tensor = attn.out_proj(normed)
         return result
 
-    def _chain_rule(
+    def _chain_gdn(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -209,7 +253,7 @@ class HybridTarget(Target):
         """transformers' chunked kernel over a chain; padding steps are identities (no decay, no write), so the
         state it leaves is the one after each request's real tokens."""
         if order.lengths is not None:
-            real = (torch.arange(q.shape[1], device=q.device)[None, :] < order.lengths[:, None])[..., None]
+            real = _real(order.lengths, q.shape[1])
             decay, beta = decay * real, beta * real
         out, final = self._chunk_rule(
             q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -217,6 +261,60 @@ class HybridTarget(Target):
         state.copy_(final)
         result: torch.Tensor = out
         return result
+
+    def _mamba2(self, mixer: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder) -> torch.Tensor:
+        batch, n, _ = h.shape
+        heads, head_dim, size = self.mixer.state
+        inner, groups = mixer.intermediate_size, mixer.n_groups
+        gate, conv_in, dt = mixer.in_proj(h).split([inner, self.mixer.channels, heads], dim=-1)
+        mixed = self._convolve(conv_in, mixer.conv1d, slot, cache, order)
+        x, b, c = torch.split(mixed, [inner, groups * size, groups * size], dim=-1)
+        x = x.reshape(batch, n, heads, head_dim)
+        b = b.reshape(batch, n, groups, size).repeat_interleave(heads // groups, dim=2)
+        c = c.reshape(batch, n, groups, size).repeat_interleave(heads // groups, dim=2)
+        low, high = mixer.time_step_limit
+        dt = torch.clamp(F.softplus(dt + mixer.dt_bias.to(dt.dtype)), min=low, max=high)  # [batch, n, heads]
+        a = -torch.exp(mixer.A_log.float())
+        state = cache.recurrent[slot]
+        if order.parents is None:
+            out = self._chain_mamba2(mixer, x, dt, a, b, c, order, state)
+        else:
+            inputs = NodeInputs(conv_in, (x, b, dt))
+            depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
+            step = ssm_step(a)
+            nodes = tree_states(step, inputs.steps, order.parents, depths, state, order.max_depth)
+            out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(h.dtype)
+            cache.pending[slot] = (step, inputs)
+            cache.pending_steps = order.max_depth + 1
+        result: torch.Tensor = mixer.out_proj(mixer.norm(out.reshape(batch, n, -1), gate).to(h.dtype))
+        return result
+
+    def _chain_mamba2(
+        self,
+        mixer: Any,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        order: TokenOrder,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """transformers' chunked scan over a chain, with the time steps already made (bias, softplus, limits);
+        a padding step has dt = 0 (no decay, no write), so the state it leaves is the real tokens'."""
+        if order.lengths is not None:
+            dt = dt * _real(order.lengths, x.shape[1])
+        out, final = self._chunk_rule(
+            x, dt, a, b, c, mixer.chunk_size, D=mixer.D, initial_states=state, return_final_states=True
+        )
+        state.copy_(final)
+        result: torch.Tensor = out
+        return result
+
+
+def _real(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[batch, n, 1] True for each request's first `lengths` tokens, False for its padding."""
+    return (torch.arange(n, device=lengths.device)[None, :] < lengths[:, None])[..., None]
 
 
 def _projections(attn: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

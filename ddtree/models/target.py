@@ -22,7 +22,8 @@ from ddtree.kv_cache import KVCache
 from ddtree.models.layers import residual_mlp
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # gated delta-net and gated attention (`ddtree.models.hybrid`)
+# recurrent layers with attention (`ddtree.models.hybrid`): gated delta-net (Qwen), Mamba2 (Bamba)
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "bamba")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 
 
@@ -57,7 +58,7 @@ class Target:
         inner: Any = model.model
         self.embed_tokens: nn.Module = inner.embed_tokens
         self.layers: nn.ModuleList = inner.layers
-        self.norm: nn.Module = inner.norm
+        self.norm: nn.Module = inner.norm if hasattr(inner, "norm") else inner.final_layernorm  # Bamba's name
         self.rotary: nn.Module = inner.rotary_emb
         self.lm_head: nn.Module = model.lm_head  # type: ignore[assignment]
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -53,7 +53,8 @@ def tiny_hybrid_config(
     kind: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
 ) -> Any:
     """A small hybrid config: three gated delta-net layers to one of gated full attention, as the models have.
-    `kind`: `qwen3_next` (fused projections, a mixture of experts) or `qwen3_5` (Qwen3.5's dense text model)."""
+    `kind`: `qwen3_next` (fused projections, a mixture of experts), `qwen3_5` (Qwen3.5's dense text model) or
+    `bamba` (Mamba2 layers)."""
     from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
     shared: Any = dict(
@@ -82,7 +83,26 @@ def tiny_hybrid_config(
         return config
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**shared)
-    raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5")
+    if kind == "bamba":
+        from transformers import BambaConfig
+
+        mamba: Any = dict(mamba_n_heads=4, mamba_d_head=hidden_size // 2, mamba_d_state=8, mamba_n_groups=2)
+        return BambaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            attn_layer_indices=[i for i in range(num_layers) if i % 4 == 3],
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            **mamba,
+        )
+    raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5, bamba")
 
 
 def random_hybrid(config: Any, seed: int, init_std: float = 0.2) -> Any:

@@ -3,6 +3,7 @@ KV cache and tree buffers against the device's free memory. The errors speak of 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,8 @@ def test_a_hybrids_states_are_counted_as_allocated_and_named_when_they_do_not_fi
     order = TokenOrder(parents=nodes - 1, depths=nodes, max_depth=n - 1)
     target.forward(nodes % 24, nodes, visible, cache, n, order=order)
     pending = cache.pending  # type: ignore[attr-defined]
-    held = sum(t.numel() * t.element_size() for x in pending.values() for t in vars(x).values())
-    node_states = 3 * 4 * dims.recurrent.v_heads * dims.recurrent.k_dim * dims.recurrent.v_dim
+    held = sum(inputs.nbytes for _, inputs in pending.values())
+    node_states = 3 * 4 * math.prod(dims.recurrent.mixer.state)  # float32
     assert held == 2 * plan.width * (dims.recurrent.node_bytes(dims.dtype_bytes) - node_states)
     assert recurrent_bytes(dims, plan) > committed
     monkeypatch.setattr(capacity, "free_memory", lambda device: 10**4)

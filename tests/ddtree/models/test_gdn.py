@@ -10,7 +10,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from ddtree.models.gdn import NodeInputs, commit_path, l2norm, tree_conv, tree_delta_rule, tree_windows
+from ddtree.models.gdn import delta_step, gdn_inputs, l2norm, tree_delta_rule
+from ddtree.models.recurrent import NodeInputs, commit_path, tree_conv, tree_windows
 
 # two requests' trees: parents, -1 for the root and padding (request 1's last slot is padding)
 PARENTS = torch.tensor([[-1, 0, 0, 1, 3, 3, 2], [-1, 0, 1, 2, 3, 0, -1]])
@@ -29,7 +30,7 @@ def _path(batch: int, node: int) -> list[int]:
 def _inputs(gen: torch.Generator) -> tuple[torch.Tensor, NodeInputs, torch.Tensor]:
     batch, n = PARENTS.shape
     query = torch.randn(batch, n, HEADS, DK, generator=gen, dtype=torch.float64)
-    inputs = NodeInputs(
+    inputs = gdn_inputs(
         conv_in=torch.randn(batch, n, CHANNELS, generator=gen, dtype=torch.float64),
         key=l2norm(torch.randn(batch, n, HEADS, DK, generator=gen, dtype=torch.float64)),
         value=torch.randn(batch, n, HEADS, DV, generator=gen, dtype=torch.float64),
@@ -43,11 +44,11 @@ def _inputs(gen: torch.Generator) -> tuple[torch.Tensor, NodeInputs, torch.Tenso
 def _reference(query: torch.Tensor, x: NodeInputs, state: torch.Tensor, b: int, path: list[int]) -> torch.Tensor:
     """transformers' token-by-token kernel along `path`: the last token's output `[heads, v_dim]`."""
     index = torch.tensor(path)
-    q, k = l2norm(query[b, index]), x.key[b, index]  # the kernel scales the query by 1/sqrt(k_dim)
+    key, value, decay, beta = (t[b, index][None] for t in x.steps)
+    q = l2norm(query[b, index])[None]  # the kernel scales the query by 1/sqrt(k_dim)
     out, _ = torch_recurrent_gated_delta_rule(
-        q[None], k[None], x.value[b, index][None], x.decay[b, index][None], x.beta[b, index][None],
-        initial_state=state[b : b + 1].clone(), output_final_state=True,
-    )  # fmt: skip
+        q, key, value, decay, beta, initial_state=state[b : b + 1].clone(), output_final_state=True
+    )
     return out[0, -1]
 
 
@@ -84,21 +85,22 @@ def test_the_commit_keeps_the_last_accepted_nodes_states() -> None:
     path = torch.tensor([[0, 1, 3, 4, 4], [0, 1, 2, 2, 2]])  # padded by repeating the last node, as `accept` does
     advance = torch.tensor([4, 0])  # request 1 finished: nothing commits
     states, convs = state.clone(), conv_state.clone()
-    commit_path(convs, states, inputs, path, advance)
+    commit_path(delta_step, convs, states, inputs, path, advance)
     expected = state[0:1].clone()
     for node in (0, 1, 3, 4):
-        x = NodeInputs(*(t[0, node][None] for t in vars(inputs).values()))
-        expected = _step(expected, x)
+        expected = _step(expected, *(t[0, node][None] for t in inputs.steps))
     torch.testing.assert_close(states[0], expected[0])
     torch.testing.assert_close(states[1], state[1])
     torch.testing.assert_close(convs[0], inputs.conv_in[0, [1, 3, 4]].T)
     torch.testing.assert_close(convs[1], conv_state[1])
-    commit_path(convs, states, inputs, path[:, :2], torch.tensor([1, 2]))
+    commit_path(delta_step, convs, states, inputs, path[:, :2], torch.tensor([1, 2]))
     torch.testing.assert_close(convs[1], torch.cat([conv_state[1][:, 2:], inputs.conv_in[1, [0, 1]].T], dim=1))
 
 
-def _step(state: torch.Tensor, x: NodeInputs) -> torch.Tensor:
+def _step(
+    state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
     """The reference recurrence's one step (decay, read, correct), written out."""
-    state = state * x.decay.exp()[..., None, None]
-    delta = (x.value - (state * x.key[..., None]).sum(-2)) * x.beta[..., None]
-    return state + x.key[..., None] * delta[..., None, :]
+    state = state * decay.exp()[..., None, None]
+    delta = (value - (state * key[..., None]).sum(-2)) * beta[..., None]
+    return state + key[..., None] * delta[..., None, :]

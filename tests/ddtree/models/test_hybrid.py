@@ -1,7 +1,7 @@
-"""Hybrid targets (gated delta-net and gated attention: Qwen3-Next, Qwen3.5) in our layer loop: our `ar` is
-transformers' own greedy decode of the model, and greedy dflash and ddtree are our `ar`, token for token, on
-trees of every budget and top-k, ragged batches and requests that join and leave; sampled ddtree follows
-the target's distribution."""
+"""Hybrid targets (gated delta-net with gated attention: Qwen3-Next, Qwen3.5; Mamba2 with attention: Bamba) in
+our layer loop: our `ar` is transformers' own greedy decode of the model, and greedy dflash and ddtree are our
+`ar`, token for token, on trees of every budget and top-k, ragged batches and requests that join and leave;
+sampled ddtree follows the target's distribution."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from ddtree.models.tiny import write_tiny_target
 from tests.ddtree.test_sampling import pooled_chisquare, target_probs
 from tests.helpers import random_prompts, tiny_hybrid_pair
 
-KINDS = ("qwen3_next", "qwen3_5")
+KINDS = ("qwen3_next", "qwen3_5", "bamba")
 VOCAB = 8  # a small vocabulary: the random drafter's guesses are often the target's, so paths get long
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_our_ar_is_transformers_greedy_decode(kind: str) -> None:
     target, _ = tiny_hybrid_pair(kind, 0, vocab=24)
-    assert isinstance(target, HybridTarget) and target.gdn_layers and target.attention_layers
+    assert isinstance(target, HybridTarget) and target.recurrent_layers and target.attention_layers
     prompts = random_prompts(1, 3, vocab=24, low=1, high=9)  # ragged: the prefill pads the shorter ones
     ours = Engine(target).generate(prompts, GenerationConfig(method="ar", max_new_tokens=12)).outputs
     for prompt, out in zip(prompts, ours, strict=True):
@@ -107,7 +107,7 @@ def test_a_hybrid_directory_loads_and_gets_a_drafter(kind: str, tmp_path: Path) 
     assert main(["drafter", "init", "--model", str(target_dir), "--out", str(drafter_dir), "--num-features", "3"]) == 0
     target, drafter, _ = load_models(str(target_dir), str(drafter_dir), "cpu", "float32")
     assert isinstance(target, HybridTarget) and drafter is not None
-    assert set(drafter.target_layer_ids) & set(target.gdn_layers), "a feature layer is a gated delta-net layer"
+    assert set(drafter.target_layer_ids) & set(target.recurrent_layers), "a feature layer is a recurrent layer"
     engine = Engine(target, drafter)
     prompts = random_prompts(4, 2, vocab=200)
     ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=10)).outputs
