@@ -36,6 +36,7 @@ from telemetry.outbox import DropLedger, DropReport, Outbox
 from telemetry.stats import StepStats, call_sinks
 
 START_TIMEOUT_S = 60.0  # importing the SDK on a cold disk
+EXIT_WAIT_S = 5.0  # how long a start that failed waits for the exporter process's exit code
 CLOSE_TIMEOUT_S = 2.5  # the exporter flushes what it has and stops; `Telemetry.shutdown` bounds the whole
 PARENT_POLL_S = 0.5  # how often the exporter process checks that its parent is alive
 RECORD_BYTES = 256  # a step record's fixed part, pickled (its arrays are counted by their sizes)
@@ -69,7 +70,10 @@ class ExporterProcess:
             self.conn.send(("config", config, device_type, model_name))
             kind, value = self._answer(START_TIMEOUT_S)
         except (ExporterGone, OSError):
-            code = self.process.poll()
+            try:  # a child that failed has closed its end and may still be exiting: wait for its code
+                code: int | None = self.process.wait(timeout=EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                code = None
             self.close()
             why = f"exited with code {code}; its error is above" if code is not None else "did not answer"
             raise TelemetryConfigError(f"the telemetry exporter process {why}") from None

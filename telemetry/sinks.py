@@ -144,19 +144,33 @@ def _span_exporter(config: TelemetryConfig, failures: ExportFailures, dropped: A
     return CountingExporter(inner, otlp_endpoint(config, "/v1/traces"), failures, dropped)
 
 
+def _otlp_module(config: TelemetryConfig, signal: str) -> Any:
+    """The OTLP exporter module for `signal` (`trace_exporter`, `metric_exporter`) over the configured protocol;
+    TelemetryConfigError naming the package where it is not installed."""
+    import importlib
+
+    protocol = "grpc" if config.otlp_protocol == "grpc" else "http"
+    try:
+        return importlib.import_module(f"opentelemetry.exporter.otlp.proto.{protocol}.{signal}")
+    except ImportError as exc:
+        package = f"opentelemetry-exporter-otlp-proto-{protocol}"
+        raise TelemetryConfigError(
+            f"OTLP over {config.otlp_protocol} needs the package {package}, which does not import here ({exc})"
+        ) from None
+
+
 def _otlp_span_exporter(config: TelemetryConfig) -> SpanExporter | None:
     if config.traces_exporter == "none":
         return None
     if config.traces_exporter == "console":
         return ConsoleSpanExporter(out=sys.stderr)
+    module = _otlp_module(config, "trace_exporter")
     if config.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        return GrpcExporter(endpoint=config.otlp_endpoint, insecure=True, timeout=5)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
+        exporter: SpanExporter = module.OTLPSpanExporter(endpoint=config.otlp_endpoint, insecure=True, timeout=5)
+        return exporter
     endpoint = config.otlp_endpoint.rstrip("/") + "/v1/traces" if config.otlp_endpoint else None
-    return HttpExporter(endpoint=endpoint, timeout=5)
+    exporter = module.OTLPSpanExporter(endpoint=endpoint, timeout=5)
+    return exporter
 
 
 def _metric_readers(
@@ -167,15 +181,12 @@ def _metric_readers(
     if config.metrics_exporter == "console":
         return [PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr))], None
     if config.metrics_exporter == "otlp":
+        module = _otlp_module(config, "metric_exporter")
         if config.otlp_protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
-
-            exporter: Any = GrpcMetrics(endpoint=config.otlp_endpoint, insecure=True, timeout=5)
+            exporter: Any = module.OTLPMetricExporter(endpoint=config.otlp_endpoint, insecure=True, timeout=5)
         else:
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetrics
-
             endpoint = config.otlp_endpoint.rstrip("/") + "/v1/metrics" if config.otlp_endpoint else None
-            exporter = HttpMetrics(endpoint=endpoint, timeout=5)
+            exporter = module.OTLPMetricExporter(endpoint=endpoint, timeout=5)
         counted = CountingMetricExporter(exporter, otlp_endpoint(config, "/v1/metrics"), failures)
         return [PeriodicExportingMetricReader(counted, export_interval_millis=5000)], None
     from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -60,6 +60,34 @@ def test_a_start_up_error_in_the_exporter_process_is_a_clear_error(tmp_path: Pat
         start_telemetry(config)
 
 
+def test_an_exporter_package_that_does_not_import_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exporter process imports the OTLP exporter of the configured protocol: where that package is
+    broken or missing, the error names it (the process inherits our import path, with a broken copy first)."""
+    broken = tmp_path / "site" / "opentelemetry" / "exporter" / "otlp" / "proto" / "http"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    config = TelemetryConfig(
+        enabled=True, metrics_exporter="none", otlp_protocol="http/protobuf", log_file=str(tmp_path / "steps.jsonl")
+    )
+    with pytest.raises(TelemetryConfigError, match="needs the package opentelemetry-exporter-otlp-proto-http"):
+        start_telemetry(config)
+
+
+def test_an_exporter_process_that_fails_says_it_exited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that fails outside the config check (here the exporter module itself does not import, and its
+    process takes a second to end after closing its socket, as one tearing down torch does): the error gives
+    the process's exit code, not 'did not answer'."""
+    broken = tmp_path / "site" / "telemetry"
+    broken.mkdir(parents=True)
+    ending = "import os, sys, time\nos.close(int(sys.argv[1]))\ntime.sleep(1)\nraise SystemExit(3)\n"
+    (broken / "__init__.py").write_text(ending)
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")  # the working directory, which holds the real one, does not come first
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(TelemetryConfigError, match="exited with code 3"):
+        start_telemetry(logged(tmp_path))
+
+
 def test_decoding_goes_on_when_the_exporter_process_dies_and_every_loss_is_counted(tmp_path: Path) -> None:
     target, drafter = tiny_pair(4, vocab=16)
     prompts = random_prompts(4, 2, vocab=16)
