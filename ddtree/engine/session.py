@@ -79,6 +79,13 @@ class _Launch:
     shape: TreeShape  # the tree it verified
 
 
+# The kinds of step a batch can make (their graphs differ: `StepState`'s flags): greedy, sampled, sampled
+# with a filter, each with and without log-probabilities. A batch that mixes them steps as the widest.
+WARM_UP_KINDS: tuple[dict[str, Any], ...] = tuple(
+    {"temperature": t, "top_p": p, "logprobs": lp} for lp in (None, 0) for t, p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9))
+)
+
+
 class DecodeSession:
     """`slots` requests decoded together, in caches of `capacity` tokens, with one tree shape (method, budget,
     top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its row count, and the
@@ -247,18 +254,19 @@ class DecodeSession:
         return ids
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
-        """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), greedy and sampled,
-        each with the shape its steps take (a schedule's for that row count), so that compiling and capturing
-        happen now rather than in the first real requests' steps. The observer sees none of it. Call it on an
-        empty session."""
+        """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), each with the
+        shape its steps take (a schedule's for that row count), in every kind of step a batch can make
+        (`WARM_UP_KINDS`: greedy, sampled, sampled with top-p, each with and without log-probabilities), so
+        that compiling and capturing happen now rather than in the first real requests' steps. The observer
+        sees none of it. Call it on an empty session."""
         if self.free_slots() != list(range(self.num_slots)):
             raise ValueError("warm_up needs an empty session")
         observer = self.observer
         self._set_observer(NOOP)
         try:
-            for temperature in (0.0, 1.0):
+            for kind in WARM_UP_KINDS:
                 for n in row_counts(self.num_slots):
-                    self._run_dummies(n, prompt_tokens, new_tokens, temperature)
+                    self._run_dummies(n, prompt_tokens, new_tokens, kind)
         finally:
             self._set_observer(observer)
 
@@ -267,8 +275,8 @@ class DecodeSession:
         for runner in self.runners.values():
             runner.observer = observer
 
-    def _run_dummies(self, n: int, prompt_tokens: int, new_tokens: int, temperature: float) -> None:
-        slots = self.join([Request([0] * prompt_tokens, new_tokens, temperature) for _ in range(n)])
+    def _run_dummies(self, n: int, prompt_tokens: int, new_tokens: int, kind: dict[str, Any]) -> None:
+        slots = self.join([Request([0] * prompt_tokens, new_tokens, **kind) for _ in range(n)])
         while self.has_active():
             self.step()
         self.drain()

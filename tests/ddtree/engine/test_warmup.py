@@ -9,6 +9,7 @@ import pytest
 
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.engine.graphs import StepRunner
+from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import TreeShape
 from ddtree.observer import NoopObserver
@@ -55,3 +56,32 @@ def test_the_first_step_of_each_shape_is_warmup_where_shapes_compile(monkeypatch
     expected = [key not in keys[:i] for i, key in enumerate(keys)]
     assert [warmup for _, _, warmup in observer.starts] == expected
     assert expected[0] and not all(expected), "the first step compiles; a later one replays"
+
+
+def test_warm_up_makes_every_kind_of_step_so_serving_makes_none() -> None:
+    """After `warm_up`, requests that sample, filter and ask for log-probabilities, alone and mixed, at any
+    row count, run only steps of kinds warm-up made (each kind's graph is captured before the server listens)."""
+    target, drafter = tiny_pair(3, vocab=16)
+    engine = Engine(target, drafter)
+    session = engine.session(GenerationConfig(budget=6), 3, 128)
+    session.warm_up(prompt_tokens=4, new_tokens=3)
+    warmed = {key[:1] + key[2:] for key in session.runner.shapes}  # (rows, sampled, filtered, scored); the span aside
+    assert {key[1:] for key in warmed} == {(s, f, sc) for s, f in ((0, 0), (1, 0), (1, 1)) for sc in (0, 1)}
+    kinds = [
+        {},
+        {"temperature": 0.8},
+        {"temperature": 0.8, "top_k": 3},
+        {"logprobs": 2},
+        {"top_p": 0.5, "temperature": 1.2, "logprobs": 0},
+    ]
+    prompts = random_prompts(5, 7, vocab=16)
+    pending = [Request(p, 5, seed=i, **kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+    while pending or session.has_active():
+        free = session.free_slots()
+        if pending and free:
+            session.join([pending.pop() for _ in range(min(len(free), len(pending)))])
+        session.step()
+        for slot, entry in enumerate(session.slots):
+            if entry is not None and entry.output.finished:
+                session.leave(slot)
+    assert {key[:1] + key[2:] for key in session.runner.shapes} == warmed
