@@ -30,8 +30,9 @@ class KVCache:
         self.capacity = capacity
 
     def narrow(self, rows: int) -> KVCache:
-        """A view of the first `rows` requests: same storage, so writes through it land here."""
-        view = KVCache.__new__(KVCache)
+        """A view of the first `rows` requests: same storage, so writes through it land here. A subclass's
+        view is of its class (it narrows its own tensors after this)."""
+        view = type(self).__new__(type(self))
         view.keys, view.values = self.keys[:, :rows], self.values[:, :rows]
         view.lengths = self.lengths[:rows]
         view.capacity = self.capacity

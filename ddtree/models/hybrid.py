@@ -12,20 +12,19 @@ runs each prompt as a chain, through transformers' own chunked kernel.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
 from ddtree.models.gdn import delta_step, gdn_inputs, l2norm, tree_delta_rule
 from ddtree.models.layers import merge_heads
 from ddtree.models.mamba2 import ssm_read, ssm_step
 from ddtree.models.recurrent import NodeInputs, Step, chain_conv, commit_path, tree_conv, tree_states, tree_windows
-from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder
+from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder, attend
 
 LINEAR = "linear_attention"  # the recurrent layers' type in `config.layer_types` (GDN or Mamba2)
 MAMBA2_MODEL_TYPES = ("bamba",)
@@ -47,10 +46,8 @@ class HybridCache(KVCache):
         self.pending_steps = 0  # nodes of a path the pending inputs can commit (the verify's depth bound + 1)
 
     def narrow(self, rows: int) -> HybridCache:
-        view = HybridCache.__new__(HybridCache)
-        view.keys, view.values = self.keys[:, :rows], self.values[:, :rows]
-        view.lengths = self.lengths[:rows]
-        view.capacity = self.capacity
+        view = super().narrow(rows)
+        assert isinstance(view, HybridCache)
         view.conv, view.recurrent = self.conv[:, :rows], self.recurrent[:, :rows]
         view.pending, view.pending_steps = {}, 0
         return view
@@ -130,6 +127,13 @@ class HybridTarget(Target):
     def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[None].expand(3, -1, -1) if self._mrope else positions
 
+    def _prepare(self, order: TokenOrder | None) -> TokenOrder:
+        """A tree's depths (zeros where not given) and convolution windows, the same for every layer."""
+        if order is None or order.parents is None:
+            return order or TokenOrder()
+        depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
+        return replace(order, depths=depths, windows=tree_windows(order.parents, depths, self.mixer.kernel))
+
     def _layer(
         self,
         layer: Any,
@@ -148,7 +152,7 @@ class HybridTarget(Target):
         if not isinstance(cache, HybridCache):
             raise TypeError("a hybrid target runs on its own cache (HybridTarget.new_cache)")
         h = layer.input_layernorm(x)
-        slot, order = self._slot[index], order or TokenOrder()
+        slot, order = self._slot[index], order or TokenOrder()  # `_prepare` made it
         if hasattr(layer, "linear_attn"):
             mixed = self._gdn(layer.linear_attn, slot, h, cache, order)
         elif hasattr(layer, "mamba"):
@@ -191,12 +195,7 @@ class HybridTarget(Target):
         v = attn.v_proj(h).view(batch, n, -1, dim).transpose(1, 2)
         q, k = self._rotate(query.transpose(1, 2), k.transpose(1, 2), *rope)
         cache.write(slot, slots, k, v)
-        if attention == "triton":  # `mask` is `visible`, which the kernel reads as it is
-            out = tree_attention(q, cache.keys[slot], cache.values[slot], cache.lengths, mask, attn.scaling)
-        else:
-            keys, values = cache.read(slot, key_span)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        merged = merge_heads(out)
+        merged = merge_heads(attend(q, cache, slot, mask, key_span, attn.scaling, attention))
         if gate is not None:
             merged = merged * torch.sigmoid(gate.reshape(batch, n, -1))
         result: torch.Tensor = attn.o_proj(merged)
@@ -207,13 +206,10 @@ class HybridTarget(Target):
     ) -> torch.Tensor:
         """The short convolution of a chain or of every tree node over its own ancestors (then SiLU)."""
         weight, bias = conv.weight[:, 0, :], conv.bias  # [channels, kernel], [channels] or None
-        if order.parents is None:  # a chain: each request's first `lengths` tokens
+        if order.windows is None:  # a chain: each request's first `lengths` tokens
             lengths = order.lengths if order.lengths is not None else torch.full_like(cache.lengths, conv_in.shape[1])
             return chain_conv(conv_in, lengths, cache.conv[slot], weight, bias)
-        depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
-        return tree_conv(
-            conv_in, cache.conv[slot], weight, tree_windows(order.parents, depths, self.mixer.kernel), bias
-        )
+        return tree_conv(conv_in, cache.conv[slot], weight, order.windows, bias)
 
     def _gdn(self, attn: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder) -> torch.Tensor:
         batch, n, _ = h.shape
@@ -227,13 +223,12 @@ class HybridTarget(Target):
         beta = b.sigmoid()
         decay = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
         state = cache.recurrent[slot]
-        if order.parents is None:
+        if order.parents is None or order.depths is None:
             out = self._chain_gdn(q, k, v, decay, beta, order, state)
         else:
             inputs = gdn_inputs(conv_in, l2norm(k.float()), v.float(), decay, beta.float())
             query = l2norm(q.float()) / (k_dim**0.5)
-            depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
-            out = tree_delta_rule(query, inputs, order.parents, depths, state, order.max_depth).to(h.dtype)
+            out = tree_delta_rule(query, inputs, order.parents, order.depths, state, order.max_depth).to(h.dtype)
             cache.pending[slot] = (delta_step, inputs)
             cache.pending_steps = order.max_depth + 1
         normed = attn.norm(out.reshape(-1, v_dim), z.reshape(-1, v_dim)).reshape(batch, n, -1)
@@ -276,13 +271,12 @@ class HybridTarget(Target):
         dt = torch.clamp(F.softplus(dt + mixer.dt_bias.to(dt.dtype)), min=low, max=high)  # [batch, n, heads]
         a = -torch.exp(mixer.A_log.float())
         state = cache.recurrent[slot]
-        if order.parents is None:
+        if order.parents is None or order.depths is None:
             out = self._chain_mamba2(mixer, x, dt, a, b, c, order, state)
         else:
             inputs = NodeInputs(conv_in, (x, b, dt))
-            depths = order.depths if order.depths is not None else torch.zeros_like(order.parents)
             step = ssm_step(a)
-            nodes = tree_states(step, inputs.steps, order.parents, depths, state, order.max_depth)
+            nodes = tree_states(step, inputs.steps, order.parents, order.depths, state, order.max_depth)
             out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(h.dtype)
             cache.pending[slot] = (step, inputs)
             cache.pending_steps = order.max_depth + 1

@@ -36,6 +36,7 @@ class TokenOrder:
     depths: torch.Tensor | None = None  # [batch, n] (0: the root, padding)
     max_depth: int = 0  # a host-side bound on `depths`
     lengths: torch.Tensor | None = None  # [batch] a chain's real tokens (the rest is padding)
+    windows: torch.Tensor | None = None  # [batch, n, kernel] a tree's convolution windows, made once a forward
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Target:
         )
         x = self.embed(tokens)
         cos, sin = self.rotary(x, self._rotary_positions(positions))
+        order = self._prepare(order)
         features: dict[int, torch.Tensor] = {}
         regions = self._regions(fused, any_shape)
         for i, layer in enumerate(self.layers):
@@ -138,6 +140,10 @@ class Target:
 
     def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions
+
+    def _prepare(self, order: TokenOrder | None) -> TokenOrder | None:
+        """What every layer of a forward reads of the tokens' order, made once (attention reads none)."""
+        return order
 
     def compile_layers(self) -> None:
         """Fuse each layer's work around attention with `torch.compile` (regional compilation: the code is
@@ -178,13 +184,26 @@ class Target:
         qkv, rest = regions
         q, k, v = qkv(layer, x, cos, sin, self.head_dim)
         cache.write(index, slots, k, v)
-        if attention == "triton":
-            out = tree_attention(q, cache.keys[index], cache.values[index], cache.lengths, mask, scale)
-        else:
-            keys, values = cache.read(index, key_span)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        result: torch.Tensor = rest(layer, x, out)
+        result: torch.Tensor = rest(layer, x, attend(q, cache, index, mask, key_span, scale, attention))
         return result
+
+
+def attend(
+    q: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    mask: torch.Tensor,
+    key_span: int,
+    scale: float | None,
+    attention: str,
+) -> torch.Tensor:
+    """`q` `[batch, heads, n, head_dim]` over layer `layer`'s cache (its new keys written): the Triton tree
+    kernel, which reads `visible` as `mask`, or torch's attention over the first `key_span` slots."""
+    if attention == "triton":
+        return tree_attention(q, cache.keys[layer], cache.values[layer], cache.lengths, mask, scale)
+    keys, values = cache.read(layer, key_span)
+    out: torch.Tensor = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out
 
 
 def _qkv(
