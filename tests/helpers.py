@@ -28,16 +28,7 @@ def tiny_pair(
 ) -> tuple[Target, DFlashDrafter]:
     """A random Llama target and a random DFlash drafter sized to it."""
     config = tiny_llama_config(vocab, hidden_size=hidden, num_layers=layers, heads=4, kv_heads=2)
-    model = random_llama(config, seed).to(dtype)
-    torch.manual_seed(seed + 1000)
-    drafter = DFlashDrafter(drafter_config(config, drafter_layers, block_size, mask_token_id=vocab - 1))
-    # Larger drafter weights make its distributions peaked, so trees and chains differ in shape.
-    for p in drafter.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.3)
-    device = torch.device(os.environ.get("DDTREE_TEST_DEVICE", "cpu"))
-    drafter = drafter.to(device=device, dtype=dtype).eval()
-    return Target(model.to(device), feature_layers=drafter.target_layer_ids), drafter
+    return _with_drafter(config, random_llama(config, seed), seed, block_size, drafter_layers, dtype)
 
 
 def tiny_hybrid_pair(
@@ -51,9 +42,17 @@ def tiny_hybrid_pair(
 ) -> tuple[Target, DFlashDrafter]:
     """A random hybrid target (`tiny_hybrid_config`'s `kind`) and a random DFlash drafter sized to it."""
     config = tiny_hybrid_config(kind, vocab, hidden_size=hidden, num_layers=layers, heads=4, kv_heads=2)
-    model = random_hybrid(config, seed).to(dtype)
+    return _with_drafter(config, random_hybrid(config, seed), seed, block_size, 1, dtype)
+
+
+def _with_drafter(
+    config: Any, model: Any, seed: int, block_size: int, drafter_layers: int, dtype: torch.dtype
+) -> tuple[Target, DFlashDrafter]:
+    """`model` as our target and a random drafter sized to it, both in `dtype` on the test device."""
+    model = model.to(dtype)
     torch.manual_seed(seed + 1000)
-    drafter = DFlashDrafter(drafter_config(config, 1, block_size, mask_token_id=vocab - 1))
+    drafter = DFlashDrafter(drafter_config(config, drafter_layers, block_size, mask_token_id=config.vocab_size - 1))
+    # Larger drafter weights make its distributions peaked, so trees and chains differ in shape.
     for p in drafter.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.3)

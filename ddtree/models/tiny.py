@@ -25,10 +25,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_llama_config(
-    vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
-) -> LlamaConfig:
-    return LlamaConfig(
+def _sizes(vocab_size: int, hidden_size: int, num_layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    """The config fields every tiny target shares."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -38,6 +37,12 @@ def tiny_llama_config(
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
+
+
+def tiny_llama_config(
+    vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
+) -> LlamaConfig:
+    return LlamaConfig(**_sizes(vocab_size, hidden_size, num_layers, heads, kv_heads))
 
 
 def random_llama(config: LlamaConfig, seed: int, init_std: float = 0.2) -> LlamaForCausalLM:
@@ -52,27 +57,27 @@ def random_llama(config: LlamaConfig, seed: int, init_std: float = 0.2) -> Llama
 def tiny_hybrid_config(
     kind: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
 ) -> Any:
-    """A small hybrid config: three gated delta-net layers to one of gated full attention, as the models have.
+    """A small hybrid config: three recurrent layers to one of full attention, as the models have.
     `kind`: `qwen3_next` (fused projections, a mixture of experts), `qwen3_5` (Qwen3.5's dense text model) or
     `bamba` (Mamba2 layers)."""
-    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+    from transformers import BambaConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    sizes: Any = _sizes(vocab_size, hidden_size, num_layers, heads, kv_heads)
+    attention = [i for i in range(num_layers) if i % 4 == 3]
+    if kind == "bamba":
+        mamba: Any = dict(mamba_n_heads=4, mamba_d_head=hidden_size // 2, mamba_d_state=8, mamba_n_groups=2)
+        return BambaConfig(
+            **sizes, attn_layer_indices=attention, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, **mamba
+        )
     shared: Any = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        **sizes,
         head_dim=hidden_size // heads,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=hidden_size // 8,
         linear_value_head_dim=hidden_size // 8,
         linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)],
+        layer_types=["full_attention" if i in attention else "linear_attention" for i in range(num_layers)],
     )
     if kind == "qwen3_next":
         experts: Any = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
@@ -83,25 +88,6 @@ def tiny_hybrid_config(
         return config
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**shared)
-    if kind == "bamba":
-        from transformers import BambaConfig
-
-        mamba: Any = dict(mamba_n_heads=4, mamba_d_head=hidden_size // 2, mamba_d_state=8, mamba_n_groups=2)
-        return BambaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-            attn_layer_indices=[i for i in range(num_layers) if i % 4 == 3],
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
-            **mamba,
-        )
     raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5, bamba")
 
 
