@@ -54,7 +54,7 @@ if has schedule; then
   DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/engine/test_schedule.py
 fi
 if has tune; then
-  $PY -m ddtree.cli tune --model "$target" --drafter "$drafter" --dtype bfloat16 --budgets 4,8,16,32,48,64 \
+  $PY -m ddtree.cli tune --model "$target" --drafter "$drafter" --dtype bfloat16 --budgets 4,8,16,32,64 \
     --batch-sizes 1,4,16,64 --num-prompts 64 --max-new-tokens 128 --out "$work/schedule.json" --keep "$work/tune"
 fi
 if has auto; then

@@ -10,15 +10,21 @@
 3. The plan (`telemetry.analysis.schedule.plan_schedule`): per batch size, the tree with the most predicted
    tokens/s, or `ar` where none beats it.
 
-The time it takes is estimated before it starts, from two timed steps (`estimate_seconds`).
+The time it takes is estimated before it starts, from two timed steps (`estimate_seconds`). A run with a
+work directory of its own (`Kept`) resumes there: the logged run and each batch size's cost run, once finished,
+are kept with a fingerprint of what made them, and a later run with the same pair, prompts and settings takes
+them instead of measuring again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ddtree.bench.rows import GREEDY, BenchRow, Progress, Sampling, run_bench
 from ddtree.engine.engine import Engine, GenerationConfig
@@ -55,6 +61,53 @@ class TuneSettings:
     @property
     def log_budget(self) -> int:
         return max(self.budgets)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A tune run's work directory, kept for a later run to resume: the logged run (`LOG`, marked finished by
+    `LOG_DONE`) and one cost file per batch size, each holding `fingerprint` (what made it)."""
+
+    directory: Path
+    fingerprint: str
+
+    LOG = "tune-log.jsonl"
+    LOG_DONE = "tune-log.done.json"
+
+    @classmethod
+    def of(cls, directory: Path, prompts: list[list[int]], settings: TuneSettings, identity: dict[str, str]) -> Kept:
+        made_of = {"prompts": prompts, "settings": asdict(settings), "pair": identity}
+        digest = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()
+        return cls(directory, digest[:16])
+
+    @property
+    def log(self) -> Path:
+        return self.directory / self.LOG
+
+    def log_finished(self) -> bool:
+        return self.log.is_file() and self._reads(self.directory / self.LOG_DONE) is not None
+
+    def finish_log(self) -> None:
+        (self.directory / self.LOG_DONE).write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+
+    def points(self, size: int) -> list[CostPoint] | None:
+        """Batch size `size`'s cost points from a finished run with this fingerprint; None if there is none."""
+        data = self._reads(self._costs(size))
+        return None if data is None else [CostPoint(**p) for p in data["points"]]
+
+    def keep_points(self, size: int, points: list[CostPoint]) -> None:
+        data = {"fingerprint": self.fingerprint, "points": [asdict(p) for p in points]}
+        self._costs(size).write_text(json.dumps(data) + "\n")
+
+    def _costs(self, size: int) -> Path:
+        return self.directory / f"tune-costs-b{size}.json"
+
+    def _reads(self, path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("fingerprint") == self.fingerprint else None
 
 
 def cost_points(measured: Iterable[tuple[int, BenchRow]]) -> list[CostPoint]:
@@ -140,23 +193,40 @@ def cost_curves(
     settings: TuneSettings,
     out: Path,
     progress: Callable[[int], Progress] | None = None,
+    kept: Kept | None = None,
 ) -> CostFile:
     """Phase 2: ar and every budget at every batch size, continuous; written to `out` and read back.
-    `progress(size)`: the progress callback of that batch size's run."""
-    measured: list[tuple[int, BenchRow]] = []
+    `progress(size)`: the progress callback of that batch size's run. `kept`: batch sizes measured there are
+    taken from it, and each size measured now is kept there as soon as it is done."""
+    points: list[CostPoint] = []
     for size in settings.batch_sizes:
-        rows = run_bench(
-            engine,
-            filled(prompts, size),
-            list(settings.budgets),
-            settings.max_new_tokens,
-            size,
-            ["ar", "ddtree"],
-            eos,
-            continuous=True,
-            progress=progress(size) if progress else None,
-            sampling=settings.sampling,
-        )
-        measured += [(size, row) for row in rows]
-    write_costs(out, cost_points(measured), settings.sampling.temperature)
+        done = kept.points(size) if kept else None
+        if done is None:
+            done = cost_points((size, row) for row in _size_rows(engine, prompts, eos, settings, size, progress))
+            if kept:
+                kept.keep_points(size, done)
+        points += done
+    write_costs(out, points, settings.sampling.temperature)
     return read_costs(out)
+
+
+def _size_rows(
+    engine: Engine,
+    prompts: list[list[int]],
+    eos: tuple[int, ...],
+    settings: TuneSettings,
+    size: int,
+    progress: Callable[[int], Progress] | None,
+) -> list[BenchRow]:
+    return run_bench(
+        engine,
+        filled(prompts, size),
+        list(settings.budgets),
+        settings.max_new_tokens,
+        size,
+        ["ar", "ddtree"],
+        eos,
+        continuous=True,
+        progress=progress(size) if progress else None,
+        sampling=settings.sampling,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,12 @@ def add_parser(sub: Any) -> None:
     tune.add_argument("--temperature", type=float_flag(0), default=0.0, help="sampling temperature, as served")
     tune.add_argument("--seed", type=SEED, default=0, help="prompt i samples with seed + i (T > 0)")
     tune.add_argument("--out", metavar="FILE", help="write the schedule here (default: where serve looks for it)")
-    tune.add_argument("--keep", metavar="DIR", help="keep the logged run and the cost curves in this directory")
+    tune.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the logged run and the cost curves in this directory; a run on the same pair, prompts and "
+        "settings resumes there, measuring only what is not yet kept",
+    )
     device_args(tune, graphs=True)
     tune.set_defaults(func=_tune)
 
@@ -111,8 +117,9 @@ def _phases(
     identity: dict[str, str],
 ) -> Plan:
     """The three phases of `ddtree.bench.tune`, each announced; the plan."""
-    from ddtree.bench.tune import cost_curves, estimate_seconds, logged_run
+    from ddtree.bench.tune import Kept, cost_curves, estimate_seconds, logged_run
     from ddtree.cli.bench import ProgressBar
+    from telemetry.analysis.digest import Digest
     from telemetry.analysis.schedule import plan_schedule
 
     target, drafter = pair
@@ -126,10 +133,17 @@ def _phases(
         f"about {max(minutes, 0.1):.1f} min (from two timed steps; compiling and capturing come on top)",
         flush=True,
     )
-    print("1/3 the logged run", flush=True)
-    log = work / "tune-log.jsonl"
-    digest = logged_run(lambda observer: options.engine(target, drafter, observer), target, encoded, eos, settings, log)
-    print(f"2/3 cost curves at batch sizes {sizes}", flush=True)
+    kept = Kept.of(work, encoded, settings, identity)
+    if kept.log_finished():
+        print(f"1/3 the logged run: kept in {work}", flush=True)
+        with kept.log.open() as lines:
+            digest = Digest.of(lines)
+    else:
+        print("1/3 the logged run", flush=True)
+        digest = logged_run(partial(options.engine, target, drafter), target, encoded, eos, settings, kept.log)
+        kept.finish_log()
+    done = [str(size) for size in settings.batch_sizes if kept.points(size) is not None]
+    print(f"2/3 cost curves at batch sizes {sizes}" + (f" ({','.join(done)} kept)" if done else ""), flush=True)
     bars = [ProgressBar(enabled=sys.stderr.isatty()) for _ in settings.batch_sizes]
     try:
         costs = cost_curves(
@@ -139,6 +153,7 @@ def _phases(
             settings,
             work / "tune-costs.json",
             lambda size: bars[settings.batch_sizes.index(size)],
+            kept,
         )
     finally:
         for bar in bars:

@@ -43,6 +43,10 @@ def test_tune_writes_the_schedule_where_serve_looks(
     steps = [json.loads(line) for line in (keep / "tune-log.jsonl").read_text().splitlines() if '"ddtree.step"' in line]
     assert steps and {s["budget"] for s in steps} == {6}, "the logged run is at the largest budget"
     assert "replayed from ddtree B=6" in out, "at T=0 the plan replays the logged run"
+    assert main(_argv(tiny_dirs, "--batch-sizes", "1,2", "--log-slots", "2", "--keep", str(keep))) == 0
+    again = capsys.readouterr().out
+    assert "1/3 the logged run: kept" in again and "(1,2 kept)" in again, "a second run resumes in --keep"
+    assert read_schedule(schedule_path(identity)).choices == schedule.choices
 
 
 def test_tune_out_and_sampled_plans_use_the_measured_tau(
