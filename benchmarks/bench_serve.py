@@ -224,6 +224,15 @@ def spawn_and_run(
                 proc.wait()
 
 
+def _server_spec(spec: str) -> tuple[str, list[str]]:
+    """`LABEL=ARGS` as (label, args); the label may hold `=` itself (`B=16=--budget 16`): the args begin at
+    the first `=` followed by a flag."""
+    match = re.match(r"(.+?)=(-.*)$", spec)
+    if not match:
+        raise SystemExit(f"bench_serve: --serve wants LABEL=ARGS with ARGS starting at a flag, got {spec!r}")
+    return match.group(1), shlex.split(match.group(2))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
@@ -257,7 +266,7 @@ def main() -> int:
     else:
         model, drafter = args.spawn
         servers = [(m, ["--method", m]) for m in args.method or []]
-        servers += [(label, shlex.split(flags)) for label, _, flags in (s.partition("=") for s in args.serve)]
+        servers += [_server_spec(s) for s in args.serve]
         first: list[dict[str, Any]] = []
         for label, flags in servers or [("ddtree", ["--method", "ddtree"])]:
             loads = spawn_and_run(model, drafter, label, flags, args)
