@@ -16,7 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddtree.cli.common import POSITIVE, SEED, add_command, deprecated, device_args, float_flag, int_flag
+from ddtree.cli.common import (
+    POSITIVE,
+    SEED,
+    add_command,
+    budget_list,
+    deprecated,
+    device_args,
+    float_flag,
+    int_flag,
+)
 from ddtree.errors import UserError
 
 MIB = 2**20
@@ -72,6 +81,7 @@ def add_parsers(sub: Any) -> None:
     grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
     grow.set_defaults(func=_grow)
     _train_parser(drafter)
+    _eval_parser(drafter)
     _travel_parsers(drafter)
 
 
@@ -180,6 +190,56 @@ def _train_parser(drafter: Any) -> None:
     )
     device_args(train, dtype=False)
     train.set_defaults(func=_train)
+
+
+def _eval_parser(drafter: Any) -> None:
+    examples = (
+        "ddtree drafter eval  # the shipped drafter: dflash and ddtree B=32 on the 64 held-out prompts",
+        "ddtree drafter eval DRAFTER --model TARGET --budgets 8,32,64 --decoded",
+    )
+    evaluate = add_command(
+        drafter, "eval", "held-out acceptance of a drafter, teacher-forced: no decoding, one pass per reply", examples
+    )
+    evaluate.add_argument("drafter", nargs="?", help="drafter directory (default: the shipped drafter)")
+    _target_arg(evaluate)
+    evaluate.add_argument("--num-prompts", type=POSITIVE, default=64, help="the first N held-out prompts")
+    evaluate.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="tokens per reply, at most")
+    evaluate.add_argument("--budgets", type=budget_list, default=[32], help="ddtree budgets, comma-separated")
+    evaluate.add_argument(
+        "--decoded", action="store_true", help="also decode as `ddtree bench` does (batch 16) and compare"
+    )
+    evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
+    device_args(evaluate, dtype=False)
+    evaluate.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ddtree.models.default import default_drafter
+    from ddtree.train.runs import heldout_eval
+    from ddtree.train.setup import target_or_default
+    from ddtree.train.teacher import heldout_teacher_eval
+
+    target, drafter = target_or_default(args.target), args.drafter or str(default_drafter())
+    figures = (args.device, args.num_prompts, args.max_new_tokens)
+    try:
+        result = {"teacher-forced": heldout_teacher_eval(target, drafter, *figures, budgets=args.budgets)}
+        if args.decoded:
+            result["decoded"] = heldout_eval(target, drafter, *figures, budgets=args.budgets)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    ours = result["teacher-forced"]
+    print(f"{ours['prompts']} held-out prompts, {ours['max_new_tokens']} new tokens, greedy, {ours['device']}")
+    print(f"{'method':<16}{'teacher-forced':>16}" + (f"{'decoded':>10}{'apart':>8}" if args.decoded else ""))
+    for label, tau in ours["tau"].items():
+        line = f"{label:<16}{tau:>16.3f}"
+        if args.decoded:
+            decoded = result["decoded"]["tau"][label]
+            line += f"{decoded:>10.3f}{(tau - decoded) / decoded:>+8.1%}"
+        print(line)
+    return 0
 
 
 def _travel_parsers(drafter: Any) -> None:

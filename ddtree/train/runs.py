@@ -3,7 +3,8 @@
 A record holds the run's index (from 1), its first and last step, its wall seconds and the training seconds
 of all runs so far, why it stopped, its loss curve (at most 50 points: the mean loss of consecutive steps),
 the data it trained on and its configuration; after `--eval-heldout`, the mean acceptance length tau of
-dflash and ddtree B=32 on the first 16 held-out prompts.
+dflash and ddtree B=32 on the held-out prompts: teacher-forced on all 64 (`ddtree.train.teacher`), or, in
+records older than that measure, decoded on the first 16 (their `eval` has no `measure`).
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def heldout_eval(
     prompts: int = 16,
     max_new_tokens: int = 64,
     batch_size: int = 16,
+    budgets: Sequence[int] = (EVAL_BUDGET,),
 ) -> dict[str, Any]:
-    """tau of dflash and ddtree B=32, greedy, on the first `prompts` held-out prompts, with `ddtree bench`'s
-    code on the drafter as saved in `drafter_dir` (eager engine: tau does not depend on it)."""
+    """tau of dflash and ddtree at `budgets`, greedy, decoded on the first `prompts` held-out prompts, with
+    `ddtree bench`'s code on the drafter as saved in `drafter_dir` (eager engine: tau does not depend on it)."""
     from ddtree.bench.rows import run_bench
     from ddtree.data import heldout_prompts
     from ddtree.engine.engine import Engine
@@ -120,8 +122,9 @@ def heldout_eval(
     encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
     engine = Engine(target, drafter, cuda_graphs="off")
     eos = eos_ids(tokenizer, target)
-    rows = run_bench(engine, encoded, [EVAL_BUDGET], max_new_tokens, batch_size, ["dflash", "ddtree"], eos)
+    rows = run_bench(engine, encoded, list(budgets), max_new_tokens, batch_size, ["dflash", "ddtree"], eos)
     return {
+        "measure": "decoded",
         "prompts": len(encoded),
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,

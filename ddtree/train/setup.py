@@ -52,7 +52,8 @@ def new_drafter(
     return DFlashDrafter(drafter_config(config, num_layers, block_size, mask, feature_layers=layers))
 
 
-def _target_dir(target: str | None) -> str:
+def target_or_default(target: str | None) -> str:
+    """`target`, or the default target's directory (pulled on first use) when it is None."""
     if target is not None:
         return target
     from ddtree.models.default import default_target
@@ -67,12 +68,13 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
     from ddtree.models.pair import resolve_device
     from ddtree.train.data import read_sequences
-    from ddtree.train.runs import add_eval, heldout_eval
+    from ddtree.train.runs import add_eval
+    from ddtree.train.teacher import heldout_teacher_eval
     from ddtree.train.trainer import REPORT_FILE, train
 
     if config.steps < 1 or config.batch_size < 1 or config.anchors < 1:
         raise UserError("--steps, --batch-size and --anchors must be >= 1")
-    target_dir = _target_dir(args.target)
+    target_dir = target_or_default(args.target)
     target_config = read_target_config(target_dir)
     data = read_sequences(args.data)
     device = resolve_device(args.device)
@@ -86,7 +88,7 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     try:
         report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
         if args.eval_heldout:
-            report["eval"] = heldout_eval(target_dir, str(out), args.device)
+            report["eval"] = heldout_teacher_eval(target_dir, str(out), args.device)
             add_eval(out, report["eval"])
             (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     except ValueError as exc:

@@ -53,11 +53,12 @@ def test_each_run_appends_its_record(tmp_path: Path, tiny_data: list[TrainingSeq
     assert runs[1]["config"]["steps"] == 10 and runs[1]["cumulative_seconds"] >= runs[0]["cumulative_seconds"]
 
 
-def test_eval_heldout_stores_the_bench_tau_in_the_run_record(
+def test_eval_heldout_stores_the_teacher_forced_tau_in_the_run_record(
     tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`drafter train --eval-heldout` on packed data, on the CLI's tiny pair: tau of dflash and ddtree B=32
-    on 16 held-out prompts, equal to what `ddtree bench` reports for the same drafter and settings."""
+    on the 64 held-out prompts, teacher-forced, equal to what `ddtree bench` decodes for the same drafter and
+    settings."""
     target, _ = tiny_dirs
     rng = random.Random(0)
     seqs = [TrainingSequence([rng.randrange(256) for _ in range(24)], 4) for _ in range(16)]
@@ -69,10 +70,11 @@ def test_eval_heldout_stores_the_bench_tau_in_the_run_record(
     report = json.loads(capsys.readouterr().out)
     record = json.loads((out / "runs.json").read_text())[-1]
     assert record["eval"] == report["eval"] and record["config"]["gamma"] == 3.0
+    assert record["eval"]["measure"] == "teacher-forced" and record["eval"]["prompts"] == 64
     tau = record["eval"]["tau"]
     assert sorted(tau) == sorted(EVAL_LABELS) and all(1.0 <= t <= 5.0 for t in tau.values())
     bench = ["bench", "--model", str(target), "--drafter", str(out), "--methods", "dflash,ddtree", "--budgets", "32"]
-    bench += ["--limit", "16", "--max-new-tokens", "64", "--batch-size", "16", "--device", "cpu"]
+    bench += ["--limit", "64", "--max-new-tokens", "64", "--batch-size", "16", "--device", "cpu"]
     assert main([*bench, "--json", str(tmp_path / "bench.json")]) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [round(r["tau"], 4) for r in rows] == [tau["dflash"], tau["ddtree B=32"]]

@@ -1,0 +1,170 @@
+"""Acceptance measured teacher-forced: tau of the chain and of any tree budget without decoding.
+
+At T=0 the accepted tokens are the target's greedy reply, whatever drafted them. So one target pass over
+each prompt and its greedy reply gives the drafter's context at every position, one drafter pass over an
+anchor at every reply position (the training forward, `forward_blocks`) gives each position's per-depth
+distributions, and the accept walk of the engine (`ddtree.accept.accept`) on each position's tree gives
+how many drafts a step starting there would accept (`matched_drafts`). A decode is then a walk over those
+counts (`walk`): a step at reply index j accepts `m[j]` drafts and the bonus, and the next starts at
+j + m[j] + 1, until the end-of-sequence token or the token limit, as the engine counts them. Steps may
+accept drafts past the limit (the engine records them), so the replies run `depth` tokens past it.
+
+In exact arithmetic this is the engine's tau; in float32 the drafter's context comes from a causal pass
+rather than the verify forwards, and rounding may flip a near tie (`docs/drafter-training.md` has the
+measured agreement with `ddtree bench`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddtree.accept import accept
+from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.methods import TreeShape, get_method, mean_acceptance_length
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.target import Target
+from ddtree.train.trainer import block_mask
+from ddtree.tree import ancestor_mask, build_tree, reachable_depth
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A prompt and the target's greedy continuation, `limit` + the drafter's depth tokens long (end of
+    sequence or not): what a decode with a `limit`-token budget may accept."""
+
+    prompt: list[int]
+    tokens: list[int]
+    limit: int
+
+
+def greedy_replies(engine: Engine, prompts: list[list[int]], limit: int, batch_size: int = 16) -> list[Reply]:
+    """The target's greedy replies to `prompts` (our `ar`, batches of `batch_size`), each `limit` + the
+    drafter's depth tokens long."""
+    if engine.drafter is None:
+        raise ValueError("teacher-forced acceptance needs a drafter")
+    length = limit + engine.drafter.depth
+    config = GenerationConfig(method="ar", max_new_tokens=length)
+    replies = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        outputs = engine.generate(batch, config).outputs
+        replies += [Reply(p, list(o.token_ids), limit) for p, o in zip(batch, outputs, strict=True)]
+    return replies
+
+
+def draft_logits(target: Target, drafter: DFlashDrafter, reply: Reply) -> torch.Tensor:
+    """`[limit, depth, vocab]`: the drafter's logits for a step anchored at each reply index j < limit (the
+    anchor is reply token j, its context the target's features before it)."""
+    ids = torch.tensor([reply.prompt + reply.tokens], device=target.device)
+    anchors = len(reply.prompt) + torch.arange(reply.limit, device=target.device)[None]  # [1, n]
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    block = drafter.block_size
+    with torch.no_grad():
+        model: Any = target.model
+        out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+        positions = anchors[:, :, None] + torch.arange(block, device=ids.device)  # [1, n, block]
+        block_ids = torch.where(positions == anchors[:, :, None], ids[0, anchors][:, :, None], drafter.mask_token_id)
+        hidden = drafter.forward_blocks(
+            target.embed(block_ids.flatten(1)),
+            positions.flatten(1),
+            features,
+            block_mask(anchors, keep, ids.shape[1], block),
+        )
+        drafted = hidden.view(reply.limit, block, -1)[:, 1 : 1 + drafter.depth]
+        logits: torch.Tensor = target.head(drafted)
+    return logits
+
+
+def matched_drafts(logits: torch.Tensor, truth: torch.Tensor, shape: TreeShape) -> torch.Tensor:
+    """`[n]` drafts a step of `shape` accepts at each of n positions: its tree built from `logits`
+    `[n, depth, vocab]` as the engine builds it, and walked with `truth` `[n, depth + 1]`, the target's
+    tokens after the anchor (a node at depth d is checked against `truth[:, d]`)."""
+    depth = reachable_depth(shape.budget, logits.shape[1])
+    tree = build_tree(logits[:, :depth], shape.budget, shape.topk)
+    target_tokens = truth.gather(1, tree.depths)  # [n, nodes]: the target's choice at each node
+    root = torch.zeros(truth.shape[0], dtype=torch.long, device=truth.device)
+    return accept(tree, ancestor_mask(tree), target_tokens, root).accepted
+
+
+def walk(matched: Sequence[int], reply: Reply, eos: Collection[int]) -> list[int]:
+    """The acceptance lengths of a decode of `reply.limit` tokens whose step at reply index j accepts
+    `matched[j]` drafts: the first token comes from the prefill, and the decode ends at the first
+    end-of-sequence token or the limit."""
+    tokens, lengths = reply.tokens, list[int]()
+    emitted, j = 1, 0
+    if tokens[0] in eos or reply.limit <= 1:
+        return lengths
+    while True:
+        n = matched[j]
+        lengths.append(n + 1)
+        for token in tokens[j + 1 : j + n + 2]:
+            emitted += 1
+            if token in eos or emitted >= reply.limit:
+                return lengths
+        j += n + 1
+
+
+def acceptance_lengths(
+    target: Target, drafter: DFlashDrafter, replies: list[Reply], shapes: list[TreeShape], eos: Collection[int]
+) -> dict[str, list[list[int]]]:
+    """Per shape (by its label), each reply's acceptance lengths, step by step, as `walk` counts them."""
+    lengths: dict[str, list[list[int]]] = {s.label: [] for s in shapes}
+    depth = drafter.depth
+    for reply in replies:
+        logits = draft_logits(target, drafter, reply)
+        tokens = torch.tensor(reply.tokens, device=logits.device)
+        after = torch.arange(1, depth + 2, device=logits.device)  # the target's tokens after the anchor
+        index = torch.arange(reply.limit, device=logits.device)[:, None] + after
+        truth = tokens[index.clamp(max=len(reply.tokens) - 1)]  # [limit, depth + 1]
+        for shape in shapes:
+            lengths[shape.label].append(walk(matched_drafts(logits, truth, shape).tolist(), reply, eos))
+    return lengths
+
+
+def teacher_forced_tau(
+    target: Target, drafter: DFlashDrafter, replies: list[Reply], shapes: list[TreeShape], eos: Collection[int]
+) -> dict[str, float | None]:
+    """tau per shape (by its label) over all steps of all `replies`."""
+    per_reply = acceptance_lengths(target, drafter, replies, shapes, eos)
+    return {label: mean_acceptance_length([n for r in runs for n in r]) for label, runs in per_reply.items()}
+
+
+def eval_shapes(budgets: Sequence[int], depth: int, chain: bool = True) -> list[TreeShape]:
+    """The chain (`dflash`, with `chain`) and ddtree at each budget, for a drafter of `depth`."""
+    shapes = [get_method("dflash").shape(0, None, depth)] if chain else []
+    return shapes + [get_method("ddtree").shape(b, None, depth) for b in budgets]
+
+
+def heldout_teacher_eval(
+    target_dir: str,
+    drafter_dir: str,
+    device: str = "auto",
+    prompts: int = 64,
+    max_new_tokens: int = 64,
+    budgets: Sequence[int] = (32,),
+) -> dict[str, Any]:
+    """tau of dflash and ddtree at `budgets`, greedy, teacher-forced on the first `prompts` held-out prompts
+    with `max_new_tokens` each, on the drafter as saved in `drafter_dir`: the record `--eval-heldout` keeps."""
+    from ddtree.data import heldout_prompts
+    from ddtree.models.chat import chat_ids, eos_ids
+    from ddtree.models.pair import load_models
+
+    target, drafter, tokenizer = load_models(target_dir, drafter_dir, device)
+    if tokenizer is None or drafter is None:
+        raise ValueError(f"the held-out evaluation needs a tokenizer and a drafter; {target_dir!r} has no tokenizer")
+    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
+    engine = Engine(target, drafter, cuda_graphs="off")
+    replies = greedy_replies(engine, encoded, max_new_tokens)
+    tau = teacher_forced_tau(target, drafter, replies, eval_shapes(budgets, drafter.depth), eos_ids(tokenizer, target))
+    return {
+        "measure": "teacher-forced",
+        "prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "device": str(target.device),
+        "tau": {label: round(t, 4) for label, t in tau.items() if t is not None},
+    }
