@@ -25,6 +25,7 @@ from ddtree.cli.common import (
     device_args,
     float_flag,
     int_flag,
+    ints,
 )
 from ddtree.errors import UserError
 
@@ -130,10 +131,31 @@ def _data_parser(drafter: Any) -> None:
     data.set_defaults(func=_data)
 
 
+def layer_list(text: str) -> list[int]:
+    """An argparse `type=`: comma-separated layer indices, each >= 0."""
+    try:
+        values = ints(text)
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer indices >= 0, got {text!r}")
+    return values
+
+
 def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
     parser.add_argument("--num-layers", type=POSITIVE, default=layers, help="drafter layers")
     parser.add_argument(
-        "--num-features", type=POSITIVE, default=None, help="target layers read (default: --num-layers)"
+        "--num-features",
+        type=POSITIVE,
+        default=None,
+        help="target layers read, spread evenly from the second to the third-last (default: --num-layers)",
+    )
+    parser.add_argument(
+        "--feature-layers",
+        type=layer_list,
+        default=None,
+        metavar="LIST",
+        help="the target layers read, by index, e.g. 1,7,14,20,27 (instead of --num-features)",
     )
     parser.add_argument(
         "--block-size", type=int_flag(2), default=16, help="tokens drafted per block, the anchor's included"
@@ -166,7 +188,10 @@ def _train_parser(drafter: Any) -> None:
         "--gamma", type=float_flag(0, above=True), default=7.0, help="loss weight exp(-(k-1)/gamma) at block position k"
     )
     train.add_argument(
-        "--distill", choices=("ce", "kl"), default="ce", help="ce: the data's tokens; kl: the target's distributions"
+        "--distill",
+        choices=("ce", "kl", "ce+kl"),
+        default="ce",
+        help="ce: the data's tokens; kl: the target's distributions; ce+kl: the sum of both losses",
     )
     train.add_argument("--max-len", type=int_flag(2), default=512, help="tokens per training sequence, at most")
     train.add_argument("--checkpoint-every", type=POSITIVE, default=200, help="steps between checkpoints")
@@ -182,6 +207,13 @@ def _train_parser(drafter: Any) -> None:
     train.add_argument("--resume", action="store_true", help="continue from the trainer state in --out")
     train.add_argument(
         "--init", metavar="DIR", help="start from this drafter's weights (its shape wins over the shape options)"
+    )
+    train.add_argument(
+        "--eval-every",
+        type=float_flag(0, above=True),
+        default=None,
+        metavar="MINUTES",
+        help="teacher-forced held-out tau every MINUTES of training and at the end, into runs.json (`evals`)",
     )
     train.add_argument(
         "--eval-heldout",
@@ -330,7 +362,13 @@ def _init(args: argparse.Namespace) -> int:
     from ddtree.train.setup import new_drafter
 
     drafter = new_drafter(
-        args.target, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed
+        args.target,
+        args.num_layers,
+        args.num_features,
+        args.block_size,
+        args.mask_token_id,
+        args.seed,
+        args.feature_layers,
     )
     save_drafter(drafter, args.out)
     print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
@@ -397,6 +435,7 @@ def _train(args: argparse.Namespace) -> int:
         max_seconds=args.max_minutes * 60 if args.max_minutes else None,
         total_seconds=args.total_minutes * 60 if args.total_minutes else None,
         distill=args.distill,
+        eval_every_seconds=args.eval_every * 60 if args.eval_every else None,
     )
     report = run_training(args, config)
     print(json.dumps(report))

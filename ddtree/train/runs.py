@@ -55,6 +55,7 @@ def run_record(report: dict[str, Any], history: Sequence[dict[str, float]], data
         "stopped": report["stopped"],
         "final_loss": report["final_loss"],
         "loss_curve": loss_curve(history),
+        "evals": report.get("evals", []),
         "data": data,
         "config": report["config"],
     }
@@ -134,11 +135,15 @@ def heldout_eval(
 
 
 def tau_points(runs: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    """Per label of `EVAL_LABELS`: (cumulative training minutes, tau) of every evaluated run."""
+    """Per label of `EVAL_LABELS`: (cumulative training minutes, tau) of every evaluation: those within a run
+    (`--eval-every`), else the one after it (`--eval-heldout`)."""
     points: dict[str, list[tuple[float, float]]] = {label: [] for label in EVAL_LABELS}
     for run in runs:
-        tau = run.get("eval", {}).get("tau", {})
-        for label in EVAL_LABELS:
-            if label in tau:
-                points[label].append((float(run["cumulative_seconds"]) / 60, float(tau[label])))
+        evals = [(float(e["seconds"]), e["tau"]) for e in run.get("evals", [])]
+        if "eval" in run and not evals:  # the in-run evaluations end with the run's own
+            evals.append((float(run["cumulative_seconds"]), run["eval"].get("tau", {})))
+        for seconds, tau in evals:
+            for label in EVAL_LABELS:
+                if label in tau:
+                    points[label].append((seconds / 60, float(tau[label])))
     return points

@@ -34,9 +34,16 @@ def default_mask_token(target: str, config: Any) -> int:
 
 
 def new_drafter(
-    target: str, num_layers: int, num_features: int | None, block_size: int, mask_token_id: int | None, seed: int
+    target: str,
+    num_layers: int,
+    num_features: int | None,
+    block_size: int,
+    mask_token_id: int | None,
+    seed: int,
+    feature_layers: list[int] | None = None,
 ) -> DFlashDrafter:
-    """A randomly initialised drafter sized to the target in `target`."""
+    """A randomly initialised drafter sized to the target in `target`, reading `feature_layers` of it (default:
+    `num_features`, else `num_layers`, spread evenly by `default_feature_layers`)."""
     if num_layers < 1:
         raise UserError(f"--num-layers must be >= 1, got {num_layers}")
     if block_size < 2:
@@ -47,7 +54,13 @@ def new_drafter(
     mask = mask_token_id if mask_token_id is not None else default_mask_token(target, config)
     if not 0 <= mask < config.vocab_size:
         raise UserError(f"--mask-token-id {mask} is outside the vocabulary (size {config.vocab_size})")
-    layers = default_feature_layers(config.num_hidden_layers, num_features or num_layers)
+    layers = feature_layers or default_feature_layers(config.num_hidden_layers, num_features or num_layers)
+    wrong = [i for i in layers if not 0 <= i < config.num_hidden_layers]
+    if wrong or len(set(layers)) != len(layers):
+        raise UserError(
+            f"--feature-layers must be distinct layers of the target's 0..{config.num_hidden_layers - 1}, "
+            f"got {','.join(map(str, layers))}"
+        )
     torch.manual_seed(seed)
     return DFlashDrafter(drafter_config(config, num_layers, block_size, mask, feature_layers=layers))
 
@@ -69,7 +82,7 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     from ddtree.models.pair import resolve_device
     from ddtree.train.data import read_sequences
     from ddtree.train.runs import add_eval
-    from ddtree.train.teacher import heldout_teacher_eval
+    from ddtree.train.teacher import heldout_evaluator, heldout_teacher_eval
     from ddtree.train.trainer import REPORT_FILE, train
 
     if config.steps < 1 or config.batch_size < 1 or config.anchors < 1:
@@ -85,8 +98,15 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
     target.to(device)
+    evaluate = None
+    if config.eval_every_seconds:
+        from ddtree.models.pair import load_tokenizer
+
+        evaluate = heldout_evaluator(target, load_tokenizer(target_dir), drafter.to(device))
     try:
-        report: dict[str, Any] = train(drafter.to(device), target, data, out, config, resume=args.resume)
+        report: dict[str, Any] = train(
+            drafter.to(device), target, data, out, config, resume=args.resume, evaluate=evaluate
+        )
         if args.eval_heldout:
             report["eval"] = heldout_teacher_eval(target_dir, str(out), args.device)
             add_eval(out, report["eval"])
@@ -106,4 +126,12 @@ def _start_drafter(args: argparse.Namespace, target_dir: str, out: Path, device:
         print(f"ddtree: no trainer state in {str(out)!r}: training starts at step 0", file=sys.stderr)
     if args.init:
         return load_drafter(args.init, device, torch.float32)
-    return new_drafter(target_dir, args.num_layers, args.num_features, args.block_size, args.mask_token_id, args.seed)
+    return new_drafter(
+        target_dir,
+        args.num_layers,
+        args.num_features,
+        args.block_size,
+        args.mask_token_id,
+        args.seed,
+        args.feature_layers,
+    )

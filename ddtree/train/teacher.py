@@ -16,7 +16,7 @@ measured agreement with `ddtree bench`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +41,12 @@ class Reply:
     limit: int
 
 
-def greedy_replies(engine: Engine, prompts: list[list[int]], limit: int, batch_size: int = 16) -> list[Reply]:
-    """The target's greedy replies to `prompts` (our `ar`, batches of `batch_size`), each `limit` + the
-    drafter's depth tokens long."""
-    if engine.drafter is None:
-        raise ValueError("teacher-forced acceptance needs a drafter")
-    length = limit + engine.drafter.depth
+def greedy_replies(
+    engine: Engine, prompts: list[list[int]], limit: int, depth: int, batch_size: int = 16
+) -> list[Reply]:
+    """The target's greedy replies to `prompts` (our `ar`, batches of `batch_size`), each `limit` + `depth`
+    (the drafter's) tokens long."""
+    length = limit + depth
     config = GenerationConfig(method="ar", max_new_tokens=length)
     replies = []
     for start in range(0, len(prompts), batch_size):
@@ -158,8 +158,7 @@ def heldout_teacher_eval(
     if tokenizer is None or drafter is None:
         raise ValueError(f"the held-out evaluation needs a tokenizer and a drafter; {target_dir!r} has no tokenizer")
     encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
-    engine = Engine(target, drafter, cuda_graphs="off")
-    replies = greedy_replies(engine, encoded, max_new_tokens)
+    replies = greedy_replies(Engine(target, None, cuda_graphs="off"), encoded, max_new_tokens, drafter.depth)
     tau = teacher_forced_tau(target, drafter, replies, eval_shapes(budgets, drafter.depth), eos_ids(tokenizer, target))
     return {
         "measure": "teacher-forced",
@@ -168,3 +167,32 @@ def heldout_teacher_eval(
         "device": str(target.device),
         "tau": {label: round(t, 4) for label, t in tau.items() if t is not None},
     }
+
+
+def heldout_evaluator(
+    model: Any,
+    tokenizer: Any,
+    drafter: DFlashDrafter,
+    prompts: int = 64,
+    max_new_tokens: int = 64,
+    budgets: Sequence[int] = (32,),
+) -> Callable[[DFlashDrafter], dict[str, float]]:
+    """For training curves: the target's greedy replies to the held-out prompts, made once, and a function
+    that gives a drafter's teacher-forced tau on them (dflash and ddtree at `budgets`). `model` is the HF
+    target being trained against; the drafter may be in float32 beside a bfloat16 target on CUDA."""
+    from ddtree.data import heldout_prompts
+    from ddtree.models.chat import chat_ids, eos_ids
+    from ddtree.models.hybrid import make_target
+
+    target = make_target(model, feature_layers=drafter.target_layer_ids)
+    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
+    replies = greedy_replies(Engine(target, None, cuda_graphs="off"), encoded, max_new_tokens, drafter.depth)
+    shapes, eos = eval_shapes(budgets, drafter.depth), eos_ids(tokenizer, target)
+
+    def evaluate(current: DFlashDrafter) -> dict[str, float]:
+        on_cuda = target.device.type == "cuda"
+        with torch.autocast("cuda", dtype=target.dtype, enabled=on_cuda), torch.no_grad():
+            tau = teacher_forced_tau(target, current, replies, shapes, eos)
+        return {label: round(t, 4) for label, t in tau.items() if t is not None}
+
+    return evaluate

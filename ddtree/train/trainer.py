@@ -36,7 +36,7 @@ from ddtree.train.runs import append_run, describe_data, run_record
 from ddtree.train.state import STATE_FILE
 
 REPORT_FILE = "training.json"
-LOSSES = ("ce", "kl")
+LOSSES = ("ce", "kl", "ce+kl")
 COMPLETE = ("steps", "total time")  # stop reasons after which training is done (others: a run ended early)
 
 
@@ -54,7 +54,8 @@ class TrainConfig:
     checkpoint_every: int = 200
     max_seconds: float | None = None  # this run's wall-clock limit
     total_seconds: float | None = None  # training time of all runs that the schedule spans (default max_seconds)
-    distill: str = "ce"  # "ce": cross-entropy on the data's tokens; "kl": KL(target || drafter)
+    distill: str = "ce"  # "ce": cross-entropy on the data's tokens; "kl": KL(target || drafter); "ce+kl": both
+    eval_every_seconds: float | None = None  # training time between held-out evaluations within a run
 
     @property
     def schedule_seconds(self) -> float | None:
@@ -67,7 +68,7 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"distill must be one of {', '.join(LOSSES)}, got {config.distill!r}")
     if config.gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {config.gamma}")
-    for name in ("max_seconds", "total_seconds"):
+    for name in ("max_seconds", "total_seconds", "eval_every_seconds"):
         value = getattr(config, name)
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
@@ -127,10 +128,11 @@ def block_loss(
     head = target.get_output_embeddings()
     logits = head(hidden.view(*positions.shape, -1)[:, :, 1:][drafted]).float()  # [m, vocab]
     wanted = labels[:, :, 1:][drafted]  # [m]
-    if distill == "kl":  # the target's distribution for token a+k is its output at a+k-1
+    per_position = torch.zeros_like(wanted, dtype=torch.float32)
+    if "kl" in distill.split("+"):  # the target's distribution for token a+k is its output at a+k-1
         per_position = kl_per_position(logits, teacher_logits(head, last_hidden, positions[:, :, :-1], drafted))
-    else:
-        per_position = F.cross_entropy(logits, wanted, reduction="none")
+    if "ce" in distill.split("+"):
+        per_position = per_position + F.cross_entropy(logits, wanted, reduction="none")
     decay = torch.exp(-torch.arange(bs - 1, device=ids.device).float() / gamma)  # [bs-1]: k = 1..bs-1
     weight = decay.expand_as(drafted)[drafted]  # [m]
     loss = (per_position * weight).sum() / weight.sum().clamp(min=1e-6)
@@ -157,6 +159,10 @@ class _Progress:
     step: int = 0
     elapsed: float = 0.0  # training seconds of all runs, as of the last checkpoint
     history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # this run's held-out evaluations
+
+
+Evaluate = Callable[[DFlashDrafter], dict[str, float]]  # the drafter as it is now -> tau by method label
 
 
 class _Timer:
@@ -172,6 +178,13 @@ class _Timer:
 
     def tick(self) -> None:
         self.total = self.before + self.clock() - self.started
+
+    def excluded(self, work: Callable[[], Any]) -> Any:
+        """Run `work` without counting its time as training time: the clock goes on from the last `tick`."""
+        try:
+            return work()
+        finally:
+            self.started = self.clock() - (self.total - self.before)
 
     @property
     def run(self) -> float:
@@ -202,12 +215,15 @@ def train(
     quiet: bool = False,
     stop_at: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    evaluate: Evaluate | None = None,
 ) -> dict[str, Any]:
     """Train in place, writing the drafter and the trainer state every `checkpoint_every` steps and when the
     run stops, and appending the run's record to `runs.json` (`ddtree.train.runs`).
 
     `stop_at` ends this run early at that step (as an interruption would); `resume` continues from the state
     in `out`. `clock` gives seconds (the time budgets read it once at the start and once per step).
+    `evaluate`, with `config.eval_every_seconds`: called on the drafter every that much training time and
+    at the end of the run, outside the training time; its tau go into the run's record (`evals`).
     """
     check_config(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,9 +242,10 @@ def train(
     first = progress.step
     timer.start(progress.elapsed)
     last = min(config.steps, stop_at or config.steps)
-    stopped = _loop(drafter, target, data, out, config, (opt, sched, rng), timer, progress, last, quiet)
+    stopped = _loop(drafter, target, data, out, config, (opt, sched, rng), timer, progress, last, quiet, evaluate)
     drafter.eval()
     report = _report(config, progress, first, timer, stopped, len(data), device)
+    report["evals"] = progress.evals
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     if progress.step > first:
         append_run(out, run_record(report, progress.history[first:], describe_data(data)))
@@ -246,6 +263,7 @@ def _loop(
     progress: _Progress,
     last: int,
     quiet: bool,
+    evaluate: Evaluate | None = None,
 ) -> str:
     """Train until a stop reason comes up; returns it."""
     opt, sched, rng = tools
@@ -265,8 +283,27 @@ def _loop(
         if progress.step % config.checkpoint_every == 0 or stopped is not None:
             progress.elapsed = timer.total
             _checkpoint(drafter, opt, sched, rng, progress, out)
+        if evaluate and config.eval_every_seconds and _eval_due(progress, timer, config.eval_every_seconds, stopped):
+            progress.evals.append(_evaluation(drafter, evaluate, timer, progress.step))
     bar.close()
     return stopped
+
+
+def _eval_due(progress: _Progress, timer: _Timer, every: float, stopped: str | None) -> bool:
+    """Whether an evaluation is due: `every` seconds of training time after the run's last one (or its
+    start), or at its end."""
+    last = progress.evals[-1]["seconds"] if progress.evals else timer.before
+    return stopped is not None or timer.total - last >= every
+
+
+def _evaluation(drafter: DFlashDrafter, evaluate: Evaluate, timer: _Timer, step: int) -> dict[str, Any]:
+    """`evaluate`'s tau on the drafter in eval mode, outside the training time."""
+    drafter.eval()
+    try:
+        tau = timer.excluded(lambda: evaluate(drafter))
+    finally:
+        drafter.train()
+    return {"step": step, "seconds": round(timer.total, 1), "tau": tau}
 
 
 def _train_step(

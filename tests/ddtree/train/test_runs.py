@@ -119,3 +119,18 @@ def test_the_plot_script_writes_a_png(tmp_path: Path) -> None:
     (tmp_path / "none.json").write_text(json.dumps(_runs([None])))
     done = subprocess.run([*args[:2], str(tmp_path / "none.json"), "--out", str(png)], capture_output=True, text=True)
     assert done.returncode == 2 and "no run has a held-out evaluation" in done.stderr
+
+
+def test_drafter_init_reads_the_feature_layers_asked_for(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, _ = tiny_dirs  # 2 layers
+    base = ["drafter", "init", "--model", str(target), "--block-size", "4"]
+    assert main([*base, "--out", str(tmp_path / "d"), "--feature-layers", "1,0"]) == 0
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 0]
+    for wrong in ("0,2", "1,1"):
+        assert main([*base, "--out", str(tmp_path / "e"), "--feature-layers", wrong]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--feature-layers must be distinct layers of the target's 0..1, got {wrong}" in err
+        assert len(err.splitlines()) == 1

@@ -3,11 +3,22 @@ in float64: the chain and trees of several budgets and top-k, end-of-sequence to
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+import torch
 
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.methods import get_method
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.hybrid import make_target
+from ddtree.train.data import TrainingSequence
+from ddtree.train.runs import tau_points
 from ddtree.train.teacher import Reply, acceptance_lengths, eval_shapes, greedy_replies, teacher_forced_tau, walk
+from ddtree.train.trainer import TrainConfig, train
+from tests.ddtree.train.conftest import FakeClock
 from tests.helpers import random_prompts, tiny_hybrid_pair, tiny_pair
 
 VOCAB = 12  # small, so that random drafts are often accepted and the walks take long steps too
@@ -18,7 +29,7 @@ def test_teacher_forced_lengths_are_the_engines(seed: int, limit: int, eos: tupl
     target, drafter = tiny_pair(seed, vocab=VOCAB, block_size=5)
     engine = Engine(target, drafter)
     prompts = random_prompts(seed, 5, vocab=VOCAB)
-    replies = greedy_replies(engine, prompts, limit, batch_size=3)
+    replies = greedy_replies(engine, prompts, limit, drafter.depth, batch_size=3)
     assert all(len(r.tokens) == limit + drafter.depth for r in replies)
     shapes = eval_shapes([1, 3, 8], drafter.depth)
     shapes.append(get_method("ddtree").shape(6, 2, drafter.depth))  # top-k 2
@@ -35,7 +46,7 @@ def test_hybrid_targets_too() -> None:
     target, drafter = tiny_hybrid_pair("qwen3_next", 0, vocab=VOCAB, block_size=5)
     engine = Engine(target, drafter)
     prompts = random_prompts(4, 3, vocab=VOCAB)
-    replies = greedy_replies(engine, prompts, 10)
+    replies = greedy_replies(engine, prompts, 10, drafter.depth)
     shapes = eval_shapes([4], drafter.depth)
     tau = teacher_forced_tau(target, drafter, replies, shapes, ())
     for shape in shapes:
@@ -51,3 +62,35 @@ def test_the_walk_stops_at_the_end_of_sequence_and_the_limit() -> None:
     assert walk([4, 0, 0, 0, 0, 0], reply, ()) == [5], "a step past the limit is recorded whole"
     assert walk([2, 0, 0, 9, 0, 0], reply, (8,)) == [3], "the end-of-sequence token ends it"
     assert walk([1] * 6, Reply([1], [8, 1, 2], 6), (8,)) == [], "the prefill's token was the end"
+
+
+def test_training_curves_evaluate_outside_the_training_time(
+    tmp_path: Path,
+    tiny_data: list[TrainingSequence],
+    fresh: Callable[[], tuple[torch.nn.Module, DFlashDrafter]],
+    fake_clock: type[FakeClock],
+) -> None:
+    """`eval_every_seconds`: teacher-forced tau every that much training time and at the end, in the run's
+    record; the training itself (weights, its time) is what it is without the evaluations."""
+    config = TrainConfig(steps=9, batch_size=4, anchors=4, warmup=2, eval_every_seconds=3.0)
+    model, plain = fresh()
+    alone = train(plain, model, tiny_data, tmp_path / "a", config, quiet=True, clock=fake_clock())
+    model, drafter = fresh()
+    target = make_target(model, feature_layers=drafter.target_layer_ids)
+    prompts = [s.ids[: s.prompt_len] for s in tiny_data[:3]]
+    replies = greedy_replies(Engine(target, None), prompts, 8, drafter.depth)
+    shapes = eval_shapes([4], drafter.depth)
+
+    def evaluate(current: DFlashDrafter) -> dict[str, float]:
+        return {k: v for k, v in teacher_forced_tau(target, current, replies, shapes, ()).items() if v is not None}
+
+    report = train(drafter, model, tiny_data, tmp_path / "b", config, quiet=True, clock=fake_clock(), evaluate=evaluate)
+    assert report["wall_seconds"] == alone["wall_seconds"], "evaluations take no training time"
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, drafter.state_dict()[key]), key
+    evals = json.loads((tmp_path / "b" / "runs.json").read_text())[-1]["evals"]
+    assert [e["step"] for e in evals] == [3, 6, 9] and [e["seconds"] for e in evals] == [3.0, 6.0, 9.0]
+    assert evals[-1]["tau"] == evaluate(drafter.eval()) and set(evals[0]["tau"]) == {"dflash", "ddtree B=4"}
+    assert tau_points([{"evals": evals, "eval": {"tau": {"dflash": 9.0}}, "cumulative_seconds": 9}])["dflash"] == [
+        (e["seconds"] / 60, e["tau"]["dflash"]) for e in evals
+    ], "the curve takes the run's evaluations, not its end-of-run one twice"

@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from ddtree.kv_cache import KVCache
@@ -74,3 +75,12 @@ def test_training_is_deterministic_and_resumable(tmp_path: Path) -> None:
     for key in a:
         assert torch.equal(a[key], b[key]), key
         assert torch.equal(a[key], c[key]), key
+
+
+def test_the_combined_loss_is_the_sum_of_both() -> None:
+    target, drafter = tiny_pair(0, vocab=24, block_size=5)
+    model, drafter = target.model.float(), drafter.float()
+    batch = block_batch(_data(0, 24)[:4], drafter.block_size, 5, 64, random.Random(0), torch.device("cpu"))
+    with torch.no_grad():
+        ce, kl, both = (float(block_loss(drafter, model, batch, 4.0, loss)[0]) for loss in ("ce", "kl", "ce+kl"))
+    assert kl > 0 and both == pytest.approx(ce + kl, rel=1e-5)
