@@ -21,8 +21,10 @@
 #                                                           # once the state is complete, import it
 # PROMPTS (a JSONL file of {"prompt": ...}) overrides the built-in training prompts; NUM_PROMPTS,
 # MAX_NEW_TOKENS and DATA_BATCH size the data; TRAIN_BATCH sizes a training step and INIT names a drafter
-# to start from. DISTILL=kl distils the target's distributions instead of its tokens, GAMMA sets the loss
-# decay over block positions and EVAL_HELDOUT=1 measures tau on held-out prompts after each run.
+# to start from. NUM_LAYERS and NUM_FEATURES shape a new drafter (default 2 and 3; DFlash's recipe is 5 and
+# 5), ANCHORS sets the blocks per sequence (default 32). DISTILL=kl distils the target's distributions
+# instead of its tokens (ce+kl: both), GAMMA sets the loss decay over block positions, EVAL_HELDOUT=1
+# measures tau on held-out prompts after each run and EVAL_EVERY=MINUTES within it (teacher-forced).
 # PACK names what pack ships: "state data" (the default), "state" or "data"; MAX_FILES and MAX_MIB bound a
 # part (default 7 files and 44 MiB). The shipped drafter's model card gives the values it was trained with.
 set -euo pipefail
@@ -37,9 +39,10 @@ train_drafter() {  # WORK MINUTES [--resume]
   local work=$1 minutes=$2
   shift 2
   $DDTREE drafter train --model "$work/target" --data "$(data_of "$work")" --out "$work/drafter" \
-    --num-layers 2 --num-features 3 --block-size 16 --steps 100000 --batch-size "${TRAIN_BATCH:-64}" \
-    --anchors 32 --lr 6e-4 --max-minutes "$minutes" --checkpoint-every 500 ${INIT:+--init "$INIT"} \
-    ${TOTAL_MINUTES:+--total-minutes "$TOTAL_MINUTES"} --distill "${DISTILL:-ce}" --gamma "${GAMMA:-7}" \
+    --num-layers "${NUM_LAYERS:-2}" --num-features "${NUM_FEATURES:-3}" --block-size 16 --steps 100000 \
+    --batch-size "${TRAIN_BATCH:-64}" --anchors "${ANCHORS:-32}" --lr 6e-4 --max-minutes "$minutes" \
+    --checkpoint-every 500 ${INIT:+--init "$INIT"} ${TOTAL_MINUTES:+--total-minutes "$TOTAL_MINUTES"} \
+    --distill "${DISTILL:-ce}" --gamma "${GAMMA:-7}" ${EVAL_EVERY:+--eval-every "$EVAL_EVERY"} \
     $([ "${EVAL_HELDOUT:-0}" = 1 ] && echo --eval-heldout) "$@"
 }
 
