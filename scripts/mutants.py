@@ -370,6 +370,20 @@ def _mutants() -> list[Mutant]:
             HYBRID,
         ),
         Mutant(
+            "teacher-context-sees-the-anchor",
+            "the teacher-forced drafter pass lets each block see the target's features of its own anchor",
+            "ddtree/train/teacher.py",
+            (("block_mask(anchors, keep, ids.shape[1], block)", "block_mask(anchors + 1, keep, ids.shape[1], block)"),),
+            ("tests/ddtree/train/test_teacher.py",),
+        ),
+        Mutant(
+            "teacher-walk-drops-the-bonus",
+            "the teacher-forced walk starts the next step at the last accepted draft, not past the bonus",
+            "ddtree/train/teacher.py",
+            (("        j += n + 1\n", "        j += max(n, 1)\n"),),
+            ("tests/ddtree/train/test_teacher.py",),
+        ),
+        Mutant(
             "schedule-ar-steps-starve-the-drafter",
             "an ar step of a session whose budget follows the load does not hand the drafter its features",
             "ddtree/engine/proposers.py",
