@@ -10,7 +10,7 @@
 # The load-aware budget (opt-in steps): schedule runs the budget-switching tests on the GPU (graphed, needs pytest
 # and hypothesis); tune writes WORK/schedule.json; auto benches ar, B=4/16/64 and auto on it by continuous batching
 # in 1, 4, 16 and 64 slots; serve loads `ddtree serve` with as many streaming clients (needs fastapi, uvicorn,
-# httpx).
+# httpx). hybrid times a random Qwen3.5-style target at a real shape (benchmarks/hybrid_step.py; needs no GGUF).
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -69,5 +69,8 @@ if has serve; then
     --log-dir "$work" --out "$work/serve.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
+if has hybrid; then  # a random Qwen3.5-style target of 1.9 B parameters: float32 lossless, then step times
+  $PY benchmarks/hybrid_step.py "$work" --batch 1 && $PY benchmarks/hybrid_step.py "$work" --batch 16 --skip-lossless
+fi
 if has tree && [ -f benchmarks/tree_build_device.py ]; then $PY benchmarks/tree_build_device.py --json "$work/tree.json"; fi
 if has projection; then $PY benchmarks/projection.py "$work/bench_b1.json" 1b,8b cuda; fi
