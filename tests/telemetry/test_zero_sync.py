@@ -26,7 +26,7 @@ from ddtree.observer import StepObserver
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
 from telemetry.collector import Collector
-from tests.helpers import random_prompts, tiny_pair
+from tests.helpers import random_prompts, tiny_hybrid_pair, tiny_pair
 from tests.telemetry.helpers import captured_telemetry
 from tests.telemetry.sync_guard import GuardedObserver, SyncGuard
 
@@ -51,9 +51,14 @@ def _run(
     depth: int = 1,
     temperature: float = 0.0,
     wrap: type[GuardedObserver] = GuardedObserver,
+    hybrid: str | None = None,
 ) -> SyncGuard:
-    """Decode a small batch with `observer` behind a guard (`wrap`); return the guard."""
-    target, drafter = tiny_pair(0, vocab=16, block_size=5)
+    """Decode a small batch with `observer` behind a guard (`wrap`), on a tiny Llama or a tiny hybrid of that
+    kind; return the guard."""
+    if hybrid:
+        target, drafter = tiny_hybrid_pair(hybrid, 0, vocab=16, block_size=5)
+    else:
+        target, drafter = tiny_pair(0, vocab=16, block_size=5)
     guard = SyncGuard()
     engine = Engine(target, drafter, observer=wrap(observer, guard), pipeline_depth=depth)
     config = GenerationConfig(method=method, budget=8, temperature=temperature, seed=3, max_new_tokens=12)
@@ -71,6 +76,14 @@ def test_the_collector_and_its_sinks_make_no_host_reads(method: str, depth: int,
     assert guard.violations == []
     assert set(guard.calls) == HOOKS, "every hook ran under the guard"
     assert captured.log_lines() and captured.spans.get_finished_spans(), "the sinks ran"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
+def test_on_hybrid_targets_the_hooks_make_no_host_reads(kind: str) -> None:
+    """The state commit is part of the accept stage; no hook reads what it commits."""
+    captured = captured_telemetry()
+    guard = _run(captured.collector, "ddtree", 1, 0.0, hybrid=kind)
+    assert guard.violations == [] and set(guard.calls) == HOOKS
 
 
 def test_with_a_handoff_thread_the_hooks_make_no_host_reads() -> None:
