@@ -23,6 +23,8 @@ from ddtree.cli.common import (
     engine_options,
     float_flag,
     model_args,
+    prompt_set,
+    prompt_set_args,
 )
 from ddtree.errors import UserError
 from ddtree.methods import METHOD_NAMES
@@ -48,17 +50,7 @@ EXAMPLES = (
 def add_parser(sub: Any) -> None:
     bench = add_command(sub, "bench", "tau and speed of ar, dflash and ddtree on a prompt set, in one run", EXAMPLES)
     model_args(bench)
-    bench.add_argument(
-        "--prompts", metavar="FILE", help="JSONL file of {'prompt': TEXT}; default: the built-in held-out set"
-    )
-    bench.add_argument(
-        "--num-prompts",
-        "--limit",
-        dest="limit",
-        type=POSITIVE,
-        metavar="N",
-        help="use the first N prompts (default: all)" + deprecated("--limit"),
-    )
+    prompt_set_args(bench, aliases=("--limit",))
     bench.add_argument(
         "--methods", default="ar,dflash,ddtree", help=f"comma-separated methods to run, of {', '.join(METHOD_NAMES)}"
     )
@@ -131,7 +123,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree.data import heldout_prompts
     from ddtree.models.chat import chat_ids, eos_ids
     from ddtree.runtime import resolve_paths
 
@@ -144,9 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
     sampling, schedule = _sampling(args), _schedule(args)
     options = engine_options(args)
     options.check()
-    prompts = heldout_prompts(args.prompts)[: args.limit]
-    if not prompts:
-        raise UserError(f"no prompts in {args.prompts!r}")
+    prompts = prompt_set(args)
     if args.batch_sizes and not args.continuous and max(args.batch_sizes) > len(prompts):
         # a static batch larger than the prompts would time fewer rows than its curve says
         raise UserError(

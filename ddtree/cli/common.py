@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ddtree.errors import UserError
 from ddtree.kernels import ATTENTION_CHOICES
 
 if TYPE_CHECKING:
@@ -66,6 +67,32 @@ def add_command(sub: Any, name: str, summary: str, examples: Sequence[str], **kw
 def deprecated(*names: str) -> str:
     """The help's note on an option's old spellings, which still work for a release."""
     return f" ({', '.join(names)}: deprecated alias)"
+
+
+def prompt_set_args(parser: argparse.ArgumentParser, aliases: Sequence[str] = ()) -> None:
+    """`--prompts FILE` and `--num-prompts N` (and its old `aliases`): a prompt set, the built-in held-out one
+    unless told (`prompt_set` reads it)."""
+    parser.add_argument(
+        "--prompts", metavar="FILE", help="JSONL file of {'prompt': TEXT}; default: the built-in held-out set"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        *aliases,
+        dest="num_prompts",
+        type=POSITIVE,
+        metavar="N",
+        help="use the first N prompts (default: all)" + (deprecated(*aliases) if aliases else ""),
+    )
+
+
+def prompt_set(args: argparse.Namespace) -> list[str]:
+    """The prompts of `prompt_set_args`; UserError where there are none."""
+    from ddtree.data import heldout_prompts
+
+    prompts = heldout_prompts(args.prompts)[: args.num_prompts]
+    if not prompts:
+        raise UserError(f"no prompts in {args.prompts!r}")
+    return prompts
 
 
 def examples_epilog(examples: Sequence[str]) -> str:

@@ -23,6 +23,8 @@ from ddtree.cli.common import (
     engine_options,
     float_flag,
     model_args,
+    prompt_set,
+    prompt_set_args,
 )
 from ddtree.errors import UserError
 
@@ -45,8 +47,7 @@ def add_parser(sub: Any) -> None:
         sub, "tune", "measure the budget for every load and write the schedule `serve --budget auto` follows", EXAMPLES
     )
     model_args(tune)
-    tune.add_argument("--prompts", metavar="FILE", help="JSONL file of {'prompt': TEXT}; default: the held-out set")
-    tune.add_argument("--num-prompts", type=POSITIVE, metavar="N", help="use the first N prompts (default: all)")
+    prompt_set_args(tune)
     tune.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
     tune.add_argument(
         "--budgets", type=budget_list, default=[4, 8, 16, 32, 64], help="budgets to time (the largest is logged)"
@@ -71,7 +72,6 @@ def add_parser(sub: Any) -> None:
 def _tune(args: argparse.Namespace) -> int:
     from ddtree.bench.rows import Sampling
     from ddtree.bench.tune import TuneSettings
-    from ddtree.data import heldout_prompts
     from ddtree.models.chat import chat_ids, eos_ids
     from ddtree.runtime import pair_identity, resolve_paths, schedule_path
 
@@ -84,9 +84,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     options = engine_options(args)
     options.check()
-    prompts = heldout_prompts(args.prompts)[: args.num_prompts]
-    if not prompts:
-        raise UserError(f"no prompts in {args.prompts!r}")
+    prompts = prompt_set(args)
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree")
     target, drafter, tokenizer = options.load_models(model, drafter_dir)
     if tokenizer is None:

@@ -120,7 +120,7 @@ def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
 
 
 OLD_AND_NEW = [  # (command, more arguments it needs, old spelling, new spelling, dest)
-    ("bench", [], "--limit", "--num-prompts", "limit"),
+    ("bench", [], "--limit", "--num-prompts", "num_prompts"),
     ("bench", [], "--json", "--out", "json_out"),
     ("advise", [], "--cost", "--cost-curve", "cost"),
     ("drafter init", ["--out", "d"], "--target", "--model", "target"),
@@ -134,7 +134,7 @@ OLD_AND_NEW = [  # (command, more arguments it needs, old spelling, new spelling
 def test_old_spellings_still_work_and_are_marked(
     command: str, needed: list[str], old: str, new: str, dest: str
 ) -> None:
-    value, expected = ("7", 7) if dest == "limit" else ("somewhere", "somewhere")
+    value, expected = ("7", 7) if dest == "num_prompts" else ("somewhere", "somewhere")
     for spelling in (new, old):
         args = build_parser().parse_args([*command.split(), *needed, spelling, value])
         assert getattr(args, dest) == expected, spelling
