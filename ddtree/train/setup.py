@@ -102,7 +102,10 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     if config.eval_every_seconds:
         from ddtree.models.pair import load_tokenizer
 
-        evaluate = heldout_evaluator(target, load_tokenizer(target_dir), drafter.to(device))
+        tokenizer = load_tokenizer(target_dir)
+        if tokenizer is None:
+            raise UserError(f"--eval-every needs the target's tokenizer, and {target_dir!r} has none")
+        evaluate = heldout_evaluator(target, tokenizer, drafter.to(device))
     try:
         report: dict[str, Any] = train(
             drafter.to(device), target, data, out, config, resume=args.resume, evaluate=evaluate

@@ -80,6 +80,23 @@ def test_eval_heldout_stores_the_teacher_forced_tau_in_the_run_record(
     assert [round(r["tau"], 4) for r in rows] == [tau["dflash"], tau["ddtree B=32"]]
 
 
+def test_eval_every_records_the_curve_within_the_run(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, _ = tiny_dirs
+    rng = random.Random(1)
+    seqs = [TrainingSequence([rng.randrange(256) for _ in range(20)], 4) for _ in range(8)]
+    pack_sequences(seqs, tmp_path / "data")
+    out = tmp_path / "drafter"
+    argv = ["drafter", "train", "--model", str(target), "--data", str(tmp_path / "data"), "--out", str(out)]
+    argv += ["--steps", "4", "--batch-size", "2", "--anchors", "2", "--num-layers", "1", "--block-size", "4"]
+    assert main([*argv, "--device", "cpu", "--eval-every", "1e-9"]) == 0
+    capsys.readouterr()
+    evals = json.loads((out / "runs.json").read_text())[-1]["evals"]
+    assert [e["step"] for e in evals] == [1, 2, 3, 4], "every step is past the interval, and the end evaluates"
+    assert all(set(e["tau"]) == set(EVAL_LABELS) for e in evals)
+
+
 def test_bad_training_options_are_clear_errors(
     tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
