@@ -54,13 +54,14 @@ def new_drafter(
     mask = mask_token_id if mask_token_id is not None else default_mask_token(target, config)
     if not 0 <= mask < config.vocab_size:
         raise UserError(f"--mask-token-id {mask} is outside the vocabulary (size {config.vocab_size})")
+    if feature_layers is not None:
+        wrong = [i for i in feature_layers if not 0 <= i < config.num_hidden_layers]
+        if wrong or len(set(feature_layers)) != len(feature_layers):
+            raise UserError(
+                f"--feature-layers must be distinct layers of the target's 0..{config.num_hidden_layers - 1}, "
+                f"got {','.join(map(str, feature_layers))}"
+            )
     layers = feature_layers or default_feature_layers(config.num_hidden_layers, num_features or num_layers)
-    wrong = [i for i in layers if not 0 <= i < config.num_hidden_layers]
-    if wrong or len(set(layers)) != len(layers):
-        raise UserError(
-            f"--feature-layers must be distinct layers of the target's 0..{config.num_hidden_layers - 1}, "
-            f"got {','.join(map(str, layers))}"
-        )
     torch.manual_seed(seed)
     return DFlashDrafter(drafter_config(config, num_layers, block_size, mask, feature_layers=layers))
 
