@@ -162,15 +162,22 @@ def ints(text: str) -> list[int]:
     return values
 
 
-def budget_list(text: str) -> list[int]:
-    """An argparse `type=`: comma-separated budgets, each >= 1."""
-    try:
-        values = ints(text)
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
-    return values
+def int_list(low: int, what: str = "integers") -> Callable[[str], list[int]]:
+    """An argparse `type=`: comma-separated `what`, each >= `low`."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = ints(text)
+        except ValueError:
+            values = []
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"must be comma-separated {what} >= {low}, got {text!r}")
+        return values
+
+    return parse
+
+
+budget_list = int_list(1)  # budgets, batch sizes: each >= 1
 
 
 def model_args(parser: argparse.ArgumentParser, drafter: bool = True) -> None:

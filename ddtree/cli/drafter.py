@@ -25,7 +25,7 @@ from ddtree.cli.common import (
     device_args,
     float_flag,
     int_flag,
-    ints,
+    int_list,
 )
 from ddtree.errors import UserError
 
@@ -131,17 +131,6 @@ def _data_parser(drafter: Any) -> None:
     data.set_defaults(func=_data)
 
 
-def layer_list(text: str) -> list[int]:
-    """An argparse `type=`: comma-separated layer indices, each >= 0."""
-    try:
-        values = ints(text)
-    except ValueError:
-        values = []
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"must be comma-separated layer indices >= 0, got {text!r}")
-    return values
-
-
 def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
     parser.add_argument("--num-layers", type=POSITIVE, default=layers, help="drafter layers")
     parser.add_argument(
@@ -152,7 +141,7 @@ def _shape_args(parser: argparse.ArgumentParser, layers: int) -> None:
     )
     parser.add_argument(
         "--feature-layers",
-        type=layer_list,
+        type=int_list(0, "layer indices"),
         default=None,
         metavar="LIST",
         help="the target layers read, by index, e.g. 1,7,14,20,27 (instead of --num-features)",
