@@ -348,17 +348,9 @@ def _shard_bytes(mib: float) -> int:
 
 def _init(args: argparse.Namespace) -> int:
     from ddtree.models.dflash import save_drafter
-    from ddtree.train.setup import new_drafter
+    from ddtree.train.setup import drafter_from_args
 
-    drafter = new_drafter(
-        args.target,
-        args.num_layers,
-        args.num_features,
-        args.block_size,
-        args.mask_token_id,
-        args.seed,
-        args.feature_layers,
-    )
+    drafter = drafter_from_args(args.target, args)
     save_drafter(drafter, args.out)
     print(f"wrote a random DFlash drafter ({args.num_layers} layers, block {args.block_size}) to {args.out}")
     return 0

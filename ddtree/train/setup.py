@@ -66,6 +66,19 @@ def new_drafter(
     return DFlashDrafter(drafter_config(config, num_layers, block_size, mask, feature_layers=layers))
 
 
+def drafter_from_args(target: str, args: argparse.Namespace) -> DFlashDrafter:
+    """`new_drafter` for the target in `target`, shaped by the shape flags of `drafter init` and `train`."""
+    return new_drafter(
+        target,
+        args.num_layers,
+        args.num_features,
+        args.block_size,
+        args.mask_token_id,
+        args.seed,
+        args.feature_layers,
+    )
+
+
 def target_or_default(target: str | None) -> str:
     """`target`, or the default target's directory (pulled on first use) when it is None."""
     if target is not None:
@@ -130,12 +143,4 @@ def _start_drafter(args: argparse.Namespace, target_dir: str, out: Path, device:
         print(f"ddtree: no trainer state in {str(out)!r}: training starts at step 0", file=sys.stderr)
     if args.init:
         return load_drafter(args.init, device, torch.float32)
-    return new_drafter(
-        target_dir,
-        args.num_layers,
-        args.num_features,
-        args.block_size,
-        args.mask_token_id,
-        args.seed,
-        args.feature_layers,
-    )
+    return drafter_from_args(target_dir, args)
