@@ -151,21 +151,18 @@ def heldout_teacher_eval(
     """tau of dflash and ddtree at `budgets`, greedy, teacher-forced on the first `prompts` held-out prompts
     with `max_new_tokens` each, on the drafter as saved in `drafter_dir`: the record `--eval-heldout` keeps."""
     from ddtree.data import heldout_prompts
-    from ddtree.models.chat import chat_ids, eos_ids
     from ddtree.models.pair import load_models
 
     target, drafter, tokenizer = load_models(target_dir, drafter_dir, device)
     if tokenizer is None or drafter is None:
-        raise ValueError(f"the held-out evaluation needs a tokenizer and a drafter; {target_dir!r} has no tokenizer")
-    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
-    replies = greedy_replies(Engine(target, None, cuda_graphs="off"), encoded, max_new_tokens, drafter.depth)
-    tau = teacher_forced_tau(target, drafter, replies, eval_shapes(budgets, drafter.depth), eos_ids(tokenizer, target))
+        raise ValueError(f"the held-out evaluation needs a tokenizer, and {target_dir!r} has none")
+    evaluate = heldout_evaluator(target.model, tokenizer, drafter, prompts, max_new_tokens, budgets)
     return {
         "measure": "teacher-forced",
-        "prompts": len(encoded),
+        "prompts": len(heldout_prompts()[:prompts]),
         "max_new_tokens": max_new_tokens,
         "device": str(target.device),
-        "tau": {label: round(t, 4) for label, t in tau.items() if t is not None},
+        "tau": evaluate(drafter),
     }
 
 
