@@ -73,11 +73,21 @@ def add_parsers(sub: Any) -> None:
     grow = add_command(
         drafter,
         "grow",
-        "a deeper drafter whose new layers add nothing yet (same drafts)",
-        ("ddtree drafter grow DRAFTER --num-layers 4 --out DRAFTER4",),
+        "a deeper or wider drafter whose new layers and features add nothing yet (same drafts)",
+        (
+            "ddtree drafter grow DRAFTER --num-layers 4 --out DRAFTER4",
+            "ddtree drafter grow DRAFTER --feature-layers 1,8,14,20,27 --out WIDER",
+        ),
     )
     grow.add_argument("drafter", help="drafter directory to grow from")
-    grow.add_argument("--num-layers", type=POSITIVE, required=True, help="layers of the grown drafter")
+    grow.add_argument("--num-layers", type=POSITIVE, default=None, help="layers of the grown drafter (default: same)")
+    grow.add_argument(
+        "--feature-layers",
+        type=int_list(0, "layer indices"),
+        default=None,
+        metavar="LIST",
+        help="the target layers the grown drafter reads, its own among them (default: its own)",
+    )
     grow.add_argument("--out", required=True, metavar="DIR", help="drafter directory to write")
     grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
     grow.set_defaults(func=_grow)
@@ -366,12 +376,17 @@ def _grow(args: argparse.Namespace) -> int:
     source = load_drafter(args.drafter, torch.device("cpu"), torch.float32)
     with safe_open(str(Path(args.drafter) / WEIGHTS_NAME), "pt") as f:
         dtype = f.get_tensor(next(iter(f.keys()))).dtype  # the grown drafter is saved as its source was
+    layers = len(source.layers) if args.num_layers is None else args.num_layers
     try:
-        grown = grow_drafter(source, args.num_layers, args.seed)
+        grown = grow_drafter(source, layers, args.seed, args.feature_layers)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     save_drafter(grown, args.out, dtype)
-    print(f"wrote a {args.num_layers}-layer drafter grown from {len(source.layers)} layers to {args.out}")
+    features = ",".join(str(i) for i in grown.target_layer_ids)
+    print(
+        f"wrote a {layers}-layer drafter reading target layers {features}, grown from {len(source.layers)} layers"
+        f" reading {','.join(str(i) for i in source.target_layer_ids)}, to {args.out}"
+    )
     return 0
 
 
