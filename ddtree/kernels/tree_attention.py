@@ -27,6 +27,15 @@ from ddtree.kernels import ATTENTION_CHOICES
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_M = 64  # query rows (node, head pairs) per program
 _BLOCK_N = 64  # keys per loop step
+_WIDE_ROW_BYTES = 512  # rows wider than this (float32 at head_dim 256) get blocks of 32: shared memory
+
+
+def block_sizes(block_d: int, element_size: int) -> tuple[int, int]:
+    """(query rows, keys) per block for rows of `block_d` elements of `element_size` bytes. The q, key and value
+    tiles live in shared memory (228 KiB per SM on Hopper); 64 x 64 tiles of 256 float32 need 336 KiB."""
+    if block_d * element_size > _WIDE_ROW_BYTES:
+        return _BLOCK_M // 2, _BLOCK_N // 2
+    return _BLOCK_M, _BLOCK_N
 
 
 def triton_attention_available(device: torch.device) -> bool:
@@ -82,7 +91,8 @@ def tree_attention(
     out = torch.empty((batch, n, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
     mask = visible.contiguous().view(torch.uint8)  # [batch, n, n]
     block_d = max(16, 1 << (dim - 1).bit_length())
-    grid = (batch, kv_heads, -(-n * group // _BLOCK_M))
+    block_m, block_n = block_sizes(block_d, q.element_size())
+    grid = (batch, kv_heads, -(-n * group // block_m))
     _kernels().tree_attention_kernel[grid](
         q,
         keys,
@@ -100,8 +110,8 @@ def tree_attention(
         GROUP=group,
         HEAD_DIM=dim,
         BLOCK_D=block_d,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
     )
     return out
