@@ -60,7 +60,7 @@ def dense_reference(
         (2, 4, 4, 5, 32, 40),  # no grouping
         (2, 6, 3, 70, 48, 160),  # rows over several programs; a head size that is not a power of two
         (1, 2, 1, 1, 16, 20),  # one token (ar's verify)
-        (2, 8, 2, 17, 256, 90),  # Qwen3.5's head size: in float32, blocks of 32 (shared memory on the GPU)
+        (2, 8, 2, 17, 256, 90),  # Qwen3.5's head size: blocks of 32 (shared memory on the GPU)
     ],
 )
 def test_equals_the_dense_mask_attention(
@@ -75,8 +75,9 @@ def test_equals_the_dense_mask_attention(
 
 
 def test_wide_rows_get_smaller_blocks() -> None:
-    assert block_sizes(64, 4) == block_sizes(128, 4) == block_sizes(256, 2) == (64, 64)
-    assert block_sizes(256, 4) == (32, 32)  # 64 x 64 tiles of 256 float32 are over Hopper's shared memory
+    assert block_sizes(64, 4) == block_sizes(64, 2) == block_sizes(128, 2) == (64, 64)
+    # 64 x 64 tiles of 256 bfloat16 (or 128 float32) need 232 KiB of shared memory, over Hopper's 227
+    assert block_sizes(128, 4) == block_sizes(256, 2) == block_sizes(256, 4) == (32, 32)
 
 
 def test_reads_the_cache_in_place_through_a_narrowed_view() -> None:
