@@ -4,7 +4,8 @@
 
 Each variant is one runs.json (`ddtree drafter train ... --eval-heldout` adds tau to each run's record);
 its label is the name of the directory that holds it unless `--labels` names them. dflash is the solid
-line, ddtree B=32 the dashed one; runs without an evaluation are left out.
+line, ddtree B=32 the dashed one; runs without an evaluation are left out. `--teacher-forced` leaves out the
+older records' decoded measure (16 prompts), which is not comparable with the teacher-forced one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="runs.json files, one per drafter variant")
     parser.add_argument("--out", required=True, help="PNG file to write")
     parser.add_argument("--labels", help="comma-separated variant names (default: the directories' names)")
+    parser.add_argument("--teacher-forced", action="store_true", help="plot the teacher-forced measure only")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.runs]
     labels = args.labels.split(",") if args.labels else [p.resolve().parent.name for p in paths]
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"plot_drafter_runs: {exc}", file=sys.stderr)
             return 2
-        for method, points in tau_points(runs).items():
+        for method, points in tau_points(runs, args.teacher_forced).items():
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, STYLES[method], marker="o", color=f"C{index}", label=f"{label}: {method}")

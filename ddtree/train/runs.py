@@ -134,13 +134,18 @@ def heldout_eval(
     }
 
 
-def tau_points(runs: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+def tau_points(
+    runs: Sequence[dict[str, Any]], teacher_forced_only: bool = False
+) -> dict[str, list[tuple[float, float]]]:
     """Per label of `EVAL_LABELS`: (cumulative training minutes, tau) of every evaluation: those within a run
-    (`--eval-every`), else the one after it (`--eval-heldout`)."""
+    (`--eval-every`, always teacher-forced), else the one after it (`--eval-heldout`; with
+    `teacher_forced_only`, only where it was teacher-forced: older records hold a decoded measure on fewer
+    prompts, which is not comparable)."""
     points: dict[str, list[tuple[float, float]]] = {label: [] for label in EVAL_LABELS}
     for run in runs:
         evals = [(float(e["seconds"]), e["tau"]) for e in run.get("evals", [])]
-        if "eval" in run and not evals:  # the in-run evaluations end with the run's own
+        comparable = not teacher_forced_only or run.get("eval", {}).get("measure") == "teacher-forced"
+        if "eval" in run and not evals and comparable:  # the in-run evaluations end with the run's own
             evals.append((float(run["cumulative_seconds"]), run["eval"].get("tau", {})))
         for seconds, tau in evals:
             for label in EVAL_LABELS:

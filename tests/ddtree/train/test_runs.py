@@ -123,6 +123,14 @@ def test_tau_points_follow_cumulative_time_and_skip_runs_without_eval() -> None:
     assert points == {"dflash": [(5.0, 1.5), (15.0, 1.7)], "ddtree B=32": [(5.0, 1.9), (15.0, 2.2)]}
 
 
+def test_tau_points_can_keep_the_teacher_forced_measure_only() -> None:
+    runs = _runs([(1.5, 1.9), (1.7, 2.2), (1.8, 2.3)])
+    runs[1]["eval"]["measure"] = "teacher-forced"
+    runs[2]["evals"] = [{"seconds": 1200.0, "tau": {"dflash": 1.75}}]  # within a run: teacher-forced
+    assert tau_points(runs)["dflash"] == [(5.0, 1.5), (10.0, 1.7), (20.0, 1.75)]
+    assert tau_points(runs, teacher_forced_only=True)["dflash"] == [(10.0, 1.7), (20.0, 1.75)]
+
+
 def test_the_plot_script_writes_a_png(tmp_path: Path) -> None:
     for name, taus in (("ce", [(1.5, 1.9), (1.7, 2.2)]), ("kl", [(1.6, 2.0), None, (1.8, 2.4)])):
         (tmp_path / name).mkdir()
