@@ -384,6 +384,20 @@ def _mutants() -> list[Mutant]:
             ("tests/ddtree/train/test_teacher.py",),
         ),
         Mutant(
+            "gdn-kernel-never-reloads-the-parent",
+            "the Triton GDN tree kernel continues every node from the node before it, sibling or not",
+            "ddtree/kernels/_gdn_tree_triton.py",
+            (("        if parent != held:\n", "        if parent < -5:\n"),),
+            ("tests/ddtree/kernels/test_gdn_tree.py",),
+        ),
+        Mutant(
+            "gdn-commit-kernel-skips-the-path",
+            "the Triton GDN commit leaves the committed state where it was",
+            "ddtree/kernels/_gdn_tree_triton.py",
+            (("        if j < advance:\n", "        if j < 0:\n"),),
+            ("tests/ddtree/kernels/test_gdn_tree.py",),
+        ),
+        Mutant(
             "schedule-ar-steps-starve-the-drafter",
             "an ar step of a session whose budget follows the load does not hand the drafter its features",
             "ddtree/engine/proposers.py",

@@ -3,7 +3,8 @@
 A GDN layer's recurrent state is a matrix per value head (`[batch, v_heads, k_dim, v_dim]`, float32). A
 node's step inputs are its key (l2-normed), value, decay (log-space) and beta. The arithmetic is that of
 transformers' reference `torch_recurrent_gated_delta_rule`, so a one-node step is a decode step of the
-model as transformers runs it.
+model as transformers runs it. With `fused`, the tree's steps and the commit run as the Triton kernels of
+`ddtree.kernels.gdn_tree` (the target's `triton` attention choice), which compute the same in float32.
 """
 
 from __future__ import annotations
@@ -44,8 +45,22 @@ def tree_delta_rule(
     depths: torch.Tensor,
     state: torch.Tensor,
     max_depth: int,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Every node's output `[batch, n, v_heads, v_dim]` (float32): its query `[batch, n, v_heads, k_dim]`
-    (normed and scaled) read from its own state (`tree_states`)."""
+    (normed and scaled) read from its own state (`tree_states`; with `fused`, the Triton kernel)."""
+    if fused:
+        from ddtree.kernels.gdn_tree import tree_delta_rule_fused
+
+        return tree_delta_rule_fused(query, inputs.steps, parents, state)
     nodes = tree_states(delta_step, inputs.steps, parents, depths, state, max_depth)
     return (nodes * query[..., None]).sum(dim=-2)
+
+
+def commit_delta(
+    state: torch.Tensor, steps: tuple[torch.Tensor, ...], path: torch.Tensor, advance: torch.Tensor
+) -> None:
+    """The fused commit of a GDN layer's state along the accepted path (`commit_path`'s `fused`)."""
+    from ddtree.kernels.gdn_tree import commit_delta_fused
+
+    commit_delta_fused(state, steps, path, advance)

@@ -20,10 +20,19 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddtree.kv_cache import KVCache
-from ddtree.models.gdn import delta_step, gdn_inputs, l2norm, tree_delta_rule
+from ddtree.models.gdn import commit_delta, delta_step, gdn_inputs, l2norm, tree_delta_rule
 from ddtree.models.layers import merge_heads
 from ddtree.models.mamba2 import ssm_read, ssm_step
-from ddtree.models.recurrent import NodeInputs, Step, chain_conv, commit_path, tree_conv, tree_states, tree_windows
+from ddtree.models.recurrent import (
+    NodeInputs,
+    PathCommit,
+    Step,
+    chain_conv,
+    commit_path,
+    tree_conv,
+    tree_states,
+    tree_windows,
+)
 from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder, attend
 
 LINEAR = "linear_attention"  # the recurrent layers' type in `config.layer_types` (GDN or Mamba2)
@@ -34,7 +43,8 @@ class HybridCache(KVCache):
     """The attention layers' keys and values (`KVCache`, indexed by attention layer), and each recurrent
     layer's committed states: `conv [recurrent_layers, batch, channels, kernel - 1]` (the model's dtype) and
     `recurrent [recurrent_layers, batch, *state]` (`MixerShape.state_dtype`). `pending`: what the last
-    verify's nodes fed each recurrent layer, and its step, until `compact` commits the accepted path."""
+    verify's nodes fed each recurrent layer, its step and its fused commit (or None), until `compact` commits
+    the accepted path."""
 
     def __init__(self, target: HybridTarget, batch: int, capacity: int) -> None:
         dtype, device = target.dtype, target.device
@@ -42,7 +52,7 @@ class HybridCache(KVCache):
         m, layers = target.mixer, len(target.recurrent_layers)
         self.conv = torch.zeros((layers, batch, m.channels, m.kernel - 1), dtype=dtype, device=device)
         self.recurrent = torch.zeros((layers, batch, *m.state), dtype=m.state_dtype, device=device)
-        self.pending: dict[int, tuple[Step, NodeInputs]] = {}
+        self.pending: dict[int, tuple[Step, NodeInputs, PathCommit | None]] = {}
         self.pending_steps = 0  # nodes of a path the pending inputs can commit (the verify's depth bound + 1)
 
     def narrow(self, rows: int) -> HybridCache:
@@ -61,8 +71,8 @@ class HybridCache(KVCache):
 
     def compact(self, path: torch.Tensor, advance: torch.Tensor) -> None:
         steps = path[:, : max(self.pending_steps, 1)]
-        for layer, (step, inputs) in self.pending.items():
-            commit_path(step, self.conv[layer], self.recurrent[layer], inputs, steps, advance)
+        for layer, (step, inputs, fused) in self.pending.items():
+            commit_path(step, self.conv[layer], self.recurrent[layer], inputs, steps, advance, fused)
         self.pending.clear()
         super().compact(path, advance)
 
@@ -154,7 +164,7 @@ class HybridTarget(Target):
         h = layer.input_layernorm(x)
         slot, order = self._slot[index], order or TokenOrder()  # `_prepare` made it
         if hasattr(layer, "linear_attn"):
-            mixed = self._gdn(layer.linear_attn, slot, h, cache, order)
+            mixed = self._gdn(layer.linear_attn, slot, h, cache, order, fused=attention == "triton")
         elif hasattr(layer, "mamba"):
             mixed = self._mamba2(layer.mamba, slot, h, cache, order)
         else:
@@ -211,7 +221,10 @@ class HybridTarget(Target):
             return chain_conv(conv_in, lengths, cache.conv[slot], weight, bias)
         return tree_conv(conv_in, cache.conv[slot], weight, order.windows, bias)
 
-    def _gdn(self, attn: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder) -> torch.Tensor:
+    def _gdn(
+        self, attn: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder, fused: bool = False
+    ) -> torch.Tensor:
+        """A GDN layer; over a tree, `fused` runs its steps and commit as Triton kernels (`attention` triton)."""
         batch, n, _ = h.shape
         k_heads, (v_heads, k_dim, v_dim) = self.mixer.k_heads, self.mixer.state
         conv_in, z, b, a = _projections(attn, h)
@@ -228,8 +241,9 @@ class HybridTarget(Target):
         else:
             inputs = gdn_inputs(conv_in, l2norm(k.float()), v.float(), decay, beta.float())
             query = l2norm(q.float()) / (k_dim**0.5)
-            out = tree_delta_rule(query, inputs, order.parents, order.depths, state, order.max_depth).to(h.dtype)
-            cache.pending[slot] = (delta_step, inputs)
+            out = tree_delta_rule(query, inputs, order.parents, order.depths, state, order.max_depth, fused)
+            out = out.to(h.dtype)
+            cache.pending[slot] = (delta_step, inputs, commit_delta if fused else None)
             cache.pending_steps = order.max_depth + 1
         normed = attn.norm(out.reshape(-1, v_dim), z.reshape(-1, v_dim)).reshape(batch, n, -1)
         result: torch.Tensor = attn.out_proj(normed)
@@ -278,7 +292,7 @@ class HybridTarget(Target):
             step = ssm_step(a)
             nodes = tree_states(step, inputs.steps, order.parents, order.depths, state, order.max_depth)
             out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(h.dtype)
-            cache.pending[slot] = (step, inputs)
+            cache.pending[slot] = (step, inputs, None)
             cache.pending_steps = order.max_depth + 1
         result: torch.Tensor = mixer.out_proj(mixer.norm(out.reshape(batch, n, -1), gate).to(h.dtype))
         return result

@@ -24,6 +24,8 @@ import torch
 from torch.nn import functional as F
 
 Step = Callable[..., torch.Tensor]  # (state [..., *state], *inputs [..., *input]) -> state [..., *state]
+# (state [batch, *state], inputs' steps, path [batch, p], advance [batch]) -> None: a layer's own fused commit
+PathCommit = Callable[[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,21 @@ def commit_path(
     inputs: NodeInputs,
     path: torch.Tensor,
     advance: torch.Tensor,
+    fused: PathCommit | None = None,
 ) -> None:
     """Advance the committed states (in place) by each request's first `advance` `[batch]` nodes of `path`
-    `[batch, p]` (node indices of the verify that fed `inputs`; p bounds `advance`)."""
+    `[batch, p]` (node indices of the verify that fed `inputs`; p bounds `advance`): the recurrent state by
+    `step`, one batched step per path position, or by `fused`, which does the same in one call."""
     batch, p = path.shape
-    rows = torch.arange(batch, device=path.device)
-    tail = (None,) * (state.dim() - 1)
-    for j in range(p):
-        node = path[:, j]
-        stepped = step(state, *(x[rows, node] for x in inputs.steps))
-        state.copy_(torch.where((j < advance)[(..., *tail)], stepped, state))
+    if fused is not None:
+        fused(state, inputs.steps, path, advance)
+    else:
+        rows = torch.arange(batch, device=path.device)
+        tail = (None,) * (state.dim() - 1)
+        for j in range(p):
+            node = path[:, j]
+            stepped = step(state, *(x[rows, node] for x in inputs.steps))
+            state.copy_(torch.where((j < advance)[(..., *tail)], stepped, state))
     history = conv_state.shape[2]
     kept = inputs.conv_in.gather(1, path[:, :, None].expand(-1, -1, inputs.conv_in.shape[2]))  # [batch, p, C]
     table = torch.cat([conv_state, kept.transpose(1, 2).to(conv_state.dtype)], dim=2)  # [batch, C, K-1+p]

@@ -83,6 +83,29 @@ def test_requests_joining_and_leaving_decode_as_alone(kind: str) -> None:
         assert [o.token_ids for o in out] == [o.token_ids for o in ar], method
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_the_triton_gdn_kernels_decode_as_ar(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the triton attention the GDN layers' tree steps and commits are Triton kernels too (on CPU in
+    Triton's interpreter); greedy dflash and ddtree through them still equal `ar`."""
+    pytest.importorskip("triton")
+    from ddtree.kernels import gdn_tree
+
+    calls = {"tree": 0, "commit": 0}
+    for name, key in (("tree_delta_rule_fused", "tree"), ("commit_delta_fused", "commit")):
+        real = getattr(gdn_tree, name)
+        monkeypatch.setattr(
+            gdn_tree, name, lambda *a, _real=real, _key=key: (calls.__setitem__(_key, calls[_key] + 1), _real(*a))[1]
+        )
+    target, drafter = tiny_hybrid_pair(kind, 4, vocab=VOCAB, block_size=5, dtype=torch.float32)
+    prompts = random_prompts(4, 3, vocab=VOCAB, low=1, high=9)
+    ar = Engine(target, drafter, attention="sdpa").generate(prompts, GenerationConfig(method="ar", max_new_tokens=12))
+    fused = Engine(target, drafter, attention="triton")
+    for method, budget in (("dflash", 1), ("ddtree", 12)):
+        out = fused.generate(prompts, GenerationConfig(method=method, budget=budget, max_new_tokens=12)).outputs
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar.outputs], method
+    assert calls["tree"] > 0 and calls["commit"] > 0
+
+
 def test_sampled_ddtree_follows_the_hybrid_targets_distribution() -> None:
     target, drafter = tiny_hybrid_pair("qwen3_5", 11, vocab=VOCAB, block_size=4)
     prompt, draws = [1, 2, 3], 3000
