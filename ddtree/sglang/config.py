@@ -109,11 +109,33 @@ def check_drafter(heads: list[str]) -> None:
         )
 
 
-def check_not_hybrid(hybrid_config: Any) -> None:
-    """Refuse hybrid (mamba / linear-attention) targets: `hybrid_config` is SGLang's `mambaish_config`."""
-    if hybrid_config is not None:
+# SGLang's configs (`mambaish_config`) of the hybrids DDTREE verifies trees on: gated delta-net (GDN) layers,
+# whose linear-attention backend has a tree path (`ddtree.sglang.hybrid`). Qwen3.5's text configs derive from
+# Qwen3-Next's; the multimodal ones are returned as their text configs.
+GDN_HYBRID_CONFIGS = {
+    "Qwen3NextConfig": "Qwen3-Next",
+    "Qwen3_5TextConfig": "Qwen3.5",
+    "Qwen3_5MoeTextConfig": "Qwen3.5-MoE",
+}
+
+
+def check_hybrid(hybrid_config: Any) -> None:
+    """Refuse hybrid (mamba / linear-attention) targets other than the gated-delta-net ones DDTREE supports;
+    `hybrid_config` is SGLang's `mambaish_config` of the target (None for a dense target)."""
+    if hybrid_config is None or type(hybrid_config).__name__ in GDN_HYBRID_CONFIGS:
+        return
+    supported = ", ".join(sorted(set(GDN_HYBRID_CONFIGS.values())))
+    raise DDTreeConfigError(
+        f"DDTREE supports the gated-delta-net hybrids ({supported}) among hybrid targets, not "
+        f"{type(hybrid_config).__name__}: it commits their recurrent states along the accepted tree path, "
+        f"which other linear-attention and mamba backends do not offer; use --speculative-algorithm DFLASH."
+    )
+
+
+def check_linear_verify(replayssm_spec: bool) -> None:
+    """Refuse SGLang's ReplaySSM verify (`--enable-linear-replayssm-spec`): it replays a chain's accepted
+    prefix into the recurrent state, where a tree's accepted path is not a prefix of the verified nodes."""
+    if replayssm_spec:
         raise DDTreeConfigError(
-            f"DDTREE does not support hybrid (mamba / linear-attention) targets yet "
-            f"({type(hybrid_config).__name__}): their recurrent state after a verify step is committed along a "
-            f"chain, and SGLang's tree-aware state update reads only EAGLE's tree layout."
+            "DDTREE verifies trees, and --enable-linear-replayssm-spec commits a linear chain only; drop the flag"
         )

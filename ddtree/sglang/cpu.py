@@ -209,6 +209,14 @@ def _patch_torch_native_verify() -> None:
     torch_native_backend.TorchNativeAttnBackend.forward_extend = forward_extend
 
 
+def _patch_gdn() -> None:
+    """Gated-delta-net targets (Qwen3.5): `ddtree.sglang.cpu_gdn`'s torch stand-ins for the Triton kernels on
+    their path (convolution, gating, delta rule, tree verify and commit, the gated norm)."""
+    from ddtree.sglang import cpu_gdn
+
+    cpu_gdn.patch()
+
+
 PATCHES: tuple[Callable[[], None], ...] = (
     _patch_rotary,
     _patch_platform_check,
@@ -218,4 +226,5 @@ PATCHES: tuple[Callable[[], None], ...] = (
     _patch_dflash_attention,
     _patch_input_embeds_dtype,
     _patch_torch_native_verify,
+    _patch_gdn,
 )

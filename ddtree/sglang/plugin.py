@@ -18,11 +18,12 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from ddtree.sglang import observe
+    from ddtree.sglang import hybrid, observe
     from ddtree.sglang.spec import NAME, DDTreeSpecAlgo
 
     if get_spec(NAME) is not None:
         return  # already registered in this process
+    hybrid.patch_pool_layout(NAME)  # a GDN target's verify scratch: one convolution window per tree node
     if observe.enabled():
         observe.register_hooks()  # telemetry in the scheduler: the decode step's counts as SGLang reads them
     SpeculativeAlgorithm.register(NAME, supports_overlap=True, spec_class=DDTreeSpecAlgo)(_worker_class)

@@ -18,6 +18,7 @@ from ddtree.sglang.config import (
     DDTreeSettings,
     check_attention_backends,
     check_drafter,
+    check_linear_verify,
     check_tree_width,
     drafter_heads,
 )
@@ -60,6 +61,7 @@ class DDTreeSpecAlgo(CustomSpecAlgo):  # type: ignore[misc]
         cfg = resolving_view(server_args)
         check_tree_width(settings, int(cfg.speculative_num_draft_tokens))
         check_drafter(draft_heads(cfg.speculative_draft_model_path, bool(cfg.trust_remote_code)))
+        check_linear_verify(bool(getattr(cfg, "enable_linear_replayssm_spec", False)))
 
     def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
         """The widest window a step writes past the committed prefix: the draft block plus the tree."""

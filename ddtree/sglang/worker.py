@@ -5,6 +5,7 @@ Prefill and idle steps are DFlash's own (`super()`). A decode step is ours:
     draft (DFlash's draft forward, unchanged) -> per-depth logits from the draft hidden states
     -> `ddtree.tree.build_tree` -> target verify of [root] + nodes under the FULL tree mask
     -> target token at every node (argmax, or a sample at T > 0) -> `ddtree.accept.accept`
+    -> commit a hybrid target's recurrent states along the accepted path (`ddtree.sglang.hybrid`)
     -> move the accepted path's KV to the front of the window -> draft KV from the path's target hidden states
 
 The scheduler gets DFlash's output layout: rows of `block_size` slots holding `[d1..d_acc, bonus]` and the
@@ -38,12 +39,12 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dfl
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 
-from ddtree.sglang import observe
+from ddtree.sglang import hybrid, observe
 from ddtree.sglang.config import (
     DDTreeConfigError,
     DDTreeSettings,
     check_drafter,
-    check_not_hybrid,
+    check_hybrid,
     check_tree_width,
 )
 from ddtree.sglang.tree_step import (
@@ -107,6 +108,8 @@ def _reserve_at_least(tokens: int) -> Iterator[None]:
 
 
 class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
+    linear_backend: Any = None  # a hybrid target's linear-attention backend (`init_attention_backends`)
+
     def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any) -> None:
         super().__init__(server_args=server_args, gpu_id=gpu_id, nccl_port=nccl_port, target_worker=target_worker)
         self.ddtree = DDTreeSettings.from_env()
@@ -122,7 +125,7 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         check_tree_width(self.ddtree, int(self.block_size))
         heads = [n for n, on in (("candidate-selector", self.selector), ("LiLiCorr", self.lilicorr)) if on is not None]
         check_drafter(heads + (["Domino"] if self._is_domino else []))
-        check_not_hybrid(mambaish_config(self.model_runner.model_config))
+        check_hybrid(mambaish_config(self.model_runner.model_config))
         if self.use_compact_draft_cache:
             raise DDTreeConfigError("DDTREE does not support --speculative-draft-window-size yet")
         if int(get_parallel().tp_group.world_size) != 1:
@@ -130,9 +133,12 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
 
     def init_attention_backends(self) -> None:
         super().init_attention_backends()
-        backend = type(getattr(self.model_runner, "attn_backend", None)).__name__
+        attn_backend = getattr(self.model_runner, "attn_backend", None)
+        backend = type(hybrid.full_attention_backend(attn_backend)).__name__
         if backend in MASKLESS_BACKEND_CLASSES:
             raise DDTreeConfigError(f"DDTREE needs an attention backend that honours tree masks, not {backend}")
+        # A hybrid target's linear-attention backend (None for a dense target): tree mode for each verify.
+        self.linear_backend = hybrid.linear_backend(attn_backend)
 
     def _maybe_build_draft_sampler(self) -> None:
         return None  # the tree needs the draft hidden states, not an in-graph argmax
@@ -180,6 +186,8 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
             target_tokens = self._target_tokens(batch, logits_output.next_token_logits, verify.width)
             result = accept_tree(verify, target_tokens.view(len(prefix_host), verify.width))
             step = commit(result, stride=int(self.block_size))
+            if self.linear_backend is not None:  # before any other target forward; seq_lens still pre-verify
+                hybrid.commit(self.target_worker, batch, result.path, result.accepted, verify.width)
             self._move_kv(verify_plan, result.path, result.accepted)
             new_seq_lens = prefix + step.commit_lens.to(prefix.dtype)
             if on_publish is not None:
@@ -297,14 +305,15 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         host = torch.tensor([n + width for n in prefix_host], dtype=torch.int64)
         batch.seq_lens_cpu, batch.seq_lens_sum = host, int(host.sum())
-        try:
-            forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-        finally:
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
-        forward_batch.can_run_decode_cuda_graph = False
-        out = self.target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
-        )
+        with hybrid.tree_mode(self.linear_backend):
+            try:
+                forward_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+            finally:
+                batch.seq_lens_cpu, batch.seq_lens_sum = saved
+            forward_batch.can_run_decode_cuda_graph = False
+            out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+            )
         logits_output = out.logits_output
         processor = self._target_logits_processor
         if processor is not None and processor.is_deferred_shard(logits_output.next_token_logits):
@@ -352,8 +361,7 @@ class DDTreeWorker(DFlashWorkerV2):  # type: ignore[misc]
 
     def _accept_index(self, path: torch.Tensor, width: int) -> torch.Tensor:
         """Flat node rows of the committed tokens in the tree-layout logits, `[bs, block]`."""
-        rows = path_columns(path, int(self.block_size))
-        return rows + width * torch.arange(path.shape[0], device=path.device)[:, None]
+        return hybrid.accept_index(path_columns(path, int(self.block_size)), width)
 
 
 def _draft_input(bonus_tokens: torch.Tensor, seq_lens: torch.Tensor) -> DDTreeDraftInput:

@@ -1,6 +1,8 @@
-"""Run SGLang's Engine once on the default pair (CPU mode, float32) and print one JSON line per request.
+"""Run SGLang's Engine once on a pair (CPU mode, float32) and print one JSON line per request.
 
 Usage: python engine_run.py '{"algorithm": "DDTREE"|"DFLASH"|"NONE", "prompts": [[ids]], "max_new_tokens": n}'
+The pair is the default one unless the request names "target" and "drafter" directories; "engine" adds
+Engine arguments (e.g. {"disable_radix_cache": true}).
 DDTREE's budget and top-k come from SGLANG_DDTREE_BUDGET / SGLANG_DDTREE_TOPK in the environment. With
 DDTREE_DEBUG_METRICS=1 and DDTREE_LOG_FILE set, it waits for the log's request lines before shutting down.
 A script, not a test: SGLang starts its scheduler with multiprocessing's spawn, which re-imports `__main__`.
@@ -15,11 +17,11 @@ import time
 from typing import Any
 
 
-def engine_args(algorithm: str) -> dict[str, Any]:
+def engine_args(algorithm: str, target: str | None = None, drafter: str | None = None) -> dict[str, Any]:
     from ddtree.models.default import default_drafter, default_target
 
     args: dict[str, Any] = {
-        "model_path": str(default_target(quiet=True)),
+        "model_path": target or str(default_target(quiet=True)),
         "device": "cpu",
         "dtype": "float32",
         "attention_backend": "torch_native",
@@ -30,7 +32,7 @@ def engine_args(algorithm: str) -> dict[str, Any]:
         "log_level": "warning",
     }
     if algorithm != "NONE":
-        args.update(speculative_algorithm=algorithm, speculative_draft_model_path=str(default_drafter()))
+        args.update(speculative_algorithm=algorithm, speculative_draft_model_path=drafter or str(default_drafter()))
     return args
 
 
@@ -38,7 +40,8 @@ def main() -> None:
     import sglang
 
     request = json.loads(sys.argv[1])
-    engine = sglang.Engine(**engine_args(request["algorithm"]))
+    args = engine_args(request["algorithm"], request.get("target"), request.get("drafter"))
+    engine = sglang.Engine(**args | request.get("engine", {}))
     try:
         outputs = engine.generate(
             input_ids=request["prompts"],

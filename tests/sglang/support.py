@@ -44,12 +44,15 @@ def histogram(accepted_drafts: list[int]) -> list[int]:
     return [counts.get(i, 0) for i in range(max(counts, default=-1) + 1)]
 
 
-def sglang_runs(algorithm: str, prompts: list[list[int]], env: dict[str, str] | None = None) -> list[Run]:
-    """Greedy generation for `prompts` as one batch on SGLang's Engine (CPU mode, float32), in a fresh process."""
+def sglang_runs(
+    algorithm: str, prompts: list[list[int]], env: dict[str, str] | None = None, **request: Any
+) -> list[Run]:
+    """Greedy generation for `prompts` as one batch on SGLang's Engine (CPU mode, float32), in a fresh process;
+    `request` adds `engine_run.py`'s other fields (a pair's directories, Engine arguments)."""
     full_env = {**os.environ, "DDTREE_SGLANG_CPU": "1", **(env or {})}
-    request = json.dumps({"algorithm": algorithm, "prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS})
+    fields = {"algorithm": algorithm, "prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS, **request}
     proc = subprocess.run(
-        [sys.executable, str(ENGINE_RUN), request], env=full_env, capture_output=True, text=True, timeout=900
+        [sys.executable, str(ENGINE_RUN), json.dumps(fields)], env=full_env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -58,9 +61,17 @@ def sglang_runs(algorithm: str, prompts: list[list[int]], env: dict[str, str] | 
     ]
 
 
-def ddtree_runs(method: str, prompts: list[list[int]], budget: int | None = None, topk: int | None = None) -> list[Run]:
-    """The same prompts as one batch through `ddtree generate --json` on CPU in float32."""
+def ddtree_runs(
+    method: str,
+    prompts: list[list[int]],
+    budget: int | None = None,
+    topk: int | None = None,
+    pair: tuple[Path, Path] | None = None,
+) -> list[Run]:
+    """The same prompts as one batch through `ddtree generate --json` on CPU in float32 (on the default pair,
+    or on `pair`'s target and drafter directories)."""
     args = ["generate", "--method", method, "--device", "cpu", "--dtype", "float32", "--json"]
+    args += ["--model", str(pair[0]), "--drafter", str(pair[1])] if pair is not None else []
     args += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
     args += ["--budget", str(budget)] if budget is not None else []
     args += ["--topk", str(topk)] if topk is not None else []
@@ -71,3 +82,19 @@ def ddtree_runs(method: str, prompts: list[list[int]], budget: int | None = None
         assert main(args) == 0
     records: list[dict[str, Any]] = [json.loads(line) for line in out.getvalue().splitlines()]
     return [Run(r["token_ids"], r["steps"], histogram([n - 1 for n in r["acceptance_lengths"]])) for r in records]
+
+
+def assert_same_runs(ours: list[Run], theirs: list[Run]) -> None:
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert b.token_ids == a.token_ids, f"request {i}: tokens differ"
+        assert b.steps == a.steps, f"request {i}: verify steps differ"
+        assert trimmed(b.histogram) == trimmed(a.histogram), f"request {i}: acceptance histograms differ"
+        assert sum(b.histogram) == b.steps
+
+
+def trimmed(hist: list[int]) -> list[int]:
+    out = list(hist)
+    while out and out[-1] == 0:
+        out.pop()
+    return out

@@ -12,7 +12,8 @@ from ddtree.sglang.config import (
     DDTreeSettings,
     check_attention_backends,
     check_drafter,
-    check_not_hybrid,
+    check_hybrid,
+    check_linear_verify,
     check_tree_width,
     drafter_heads,
 )
@@ -73,10 +74,24 @@ def test_a_plain_drafter_passes() -> None:
     check_drafter([])
 
 
-def test_hybrid_targets_are_refused() -> None:
-    with pytest.raises(DDTreeConfigError, match="hybrid"):
-        check_not_hybrid(SimpleNamespace())
-    check_not_hybrid(None)
+@pytest.mark.parametrize("name", ["Qwen3NextConfig", "Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"])
+def test_gated_delta_net_hybrids_pass(name: str) -> None:
+    check_hybrid(type(name, (), {})())
+    check_hybrid(None)  # a dense target
+
+
+@pytest.mark.parametrize("name", ["Mamba2Config", "NemotronHConfig", "Lfm2Config", "KimiLinearConfig"])
+def test_other_hybrids_are_refused_naming_the_supported_ones(name: str) -> None:
+    with pytest.raises(DDTreeConfigError, match=rf"{name}.*") as refused:
+        check_hybrid(type(name, (), {})())
+    message = str(refused.value)
+    assert "Qwen3-Next" in message and "Qwen3.5" in message and "\n" not in message
+
+
+def test_a_chain_only_linear_verify_is_refused() -> None:
+    with pytest.raises(DDTreeConfigError, match="enable-linear-replayssm-spec"):
+        check_linear_verify(True)
+    check_linear_verify(False)
 
 
 def test_the_package_imports_without_sglang() -> None:
@@ -88,7 +103,7 @@ def test_the_package_imports_without_sglang() -> None:
     code = (
         "import sys; sys.modules['sglang'] = None\n"
         "import ddtree, ddtree.cli, ddtree.sglang, ddtree.sglang.config, ddtree.sglang.tree_step\n"
-        "import ddtree.sglang.plugin, ddtree.sglang.cpu_attention\n"
+        "import ddtree.sglang.plugin, ddtree.sglang.cpu_attention, ddtree.sglang.cpu_gdn, ddtree.sglang.hybrid\n"
         "assert sys.modules['sglang'] is None\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

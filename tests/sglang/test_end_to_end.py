@@ -13,7 +13,7 @@ import pytest
 from ddtree.data import heldout_prompts
 from ddtree.models.chat import chat_ids
 from ddtree.models.default import default_target
-from tests.sglang.support import Run, ddtree_runs, requires_sglang, sglang_runs
+from tests.sglang.support import Run, assert_same_runs, ddtree_runs, requires_sglang, sglang_runs
 
 pytestmark = requires_sglang
 
@@ -52,22 +52,6 @@ def sglang(prompts: list[list[int]], sglang_cache: dict[tuple[object, ...], list
         return sglang_cache[key]
 
     return run
-
-
-def assert_same_runs(ours: list[Run], theirs: list[Run]) -> None:
-    assert len(ours) == len(theirs)
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert b.token_ids == a.token_ids, f"request {i}: tokens differ"
-        assert b.steps == a.steps, f"request {i}: verify steps differ"
-        assert _trimmed(b.histogram) == _trimmed(a.histogram), f"request {i}: acceptance histograms differ"
-        assert sum(b.histogram) == b.steps
-
-
-def _trimmed(hist: list[int]) -> list[int]:
-    out = list(hist)
-    while out and out[-1] == 0:
-        out.pop()
-    return out
 
 
 @pytest.mark.parametrize(("budget", "topk"), TREES)

@@ -104,6 +104,13 @@ def test_start_up_refuses_a_tree_as_wide_as_the_block(loaded: None, monkeypatch:
         resolve(loaded)
 
 
+def test_start_up_refuses_the_chain_only_linear_verify(loaded: None) -> None:
+    from ddtree.sglang.config import DDTreeConfigError
+
+    with pytest.raises(DDTreeConfigError, match="enable-linear-replayssm-spec"):
+        resolve(loaded, enable_linear_replayssm_spec=True)
+
+
 @pytest.mark.parametrize(
     ("change", "head"),
     [
@@ -138,19 +145,42 @@ def test_start_up_refuses_drafters_with_extra_heads(
         resolve(loaded, speculative_draft_model_path=str(drafter))
 
 
-def test_hybrid_targets_are_refused_by_sglangs_own_test(loaded: None) -> None:
+def test_hybrids_are_told_apart_by_sglangs_own_test(loaded: None) -> None:
+    """SGLang's `mambaish_config` of a target, as the worker checks it at start-up: the gated-delta-net
+    hybrids pass, a Mamba2 hybrid is refused."""
     from sglang.srt.configs import Mamba2Config
     from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.qwen3_5 import Qwen3_5TextConfig
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     from transformers import LlamaConfig
 
-    from ddtree.sglang.config import DDTreeConfigError, check_not_hybrid
+    from ddtree.sglang.config import DDTreeConfigError, check_hybrid
 
     def model_config(hf: Any) -> Any:
         return SimpleNamespace(hf_config=hf, linear_attn_registry_result=None, is_draft_model=False)
 
-    check_not_hybrid(mambaish_config(model_config(LlamaConfig())))
+    check_hybrid(mambaish_config(model_config(LlamaConfig())))
+    for gdn in (Qwen3NextConfig(), Qwen3_5TextConfig()):
+        assert mambaish_config(model_config(gdn)) is not None
+        check_hybrid(mambaish_config(model_config(gdn)))
     with pytest.raises(DDTreeConfigError, match="Mamba2Config"):
-        check_not_hybrid(mambaish_config(model_config(Mamba2Config())))
+        check_hybrid(mambaish_config(model_config(Mamba2Config())))
+
+
+@pytest.mark.parametrize(("algorithm", "deduplicated"), [("DDTREE", False), ("DFLASH", True)])
+def test_ddtree_keeps_one_convolution_window_per_tree_node(loaded: None, algorithm: str, deduplicated: bool) -> None:
+    """The memory pool's layout question for a CUDA GDN target at top-k 1, asked as the scheduler asks it: DDTREE
+    has the plugin's answer, other algorithms SGLang's; with no configuration published yet, SGLang's."""
+    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.runtime_context import create_context, use_context
+
+    def ask() -> bool:
+        return bool(memory_pool.conv_window_dedup_enabled(False, False, 1, False))
+
+    server_args = resolve(loaded, speculative_algorithm=algorithm)
+    with use_context(create_context(server_args, role="scheduler")):
+        assert ask() is deduplicated
+    assert ask() is True
 
 
 def test_cpu_mode_refuses_other_sglang_versions() -> None:

@@ -15,7 +15,7 @@ import pytest
 from ddtree.models.chat import chat_ids
 from ddtree.models.default import default_target
 from telemetry import semconv as sc
-from tests.sglang.support import MAX_NEW_TOKENS, Run, histogram, requires_sglang, sglang_runs
+from tests.sglang.support import MAX_NEW_TOKENS, Run, histogram, requires_sglang, sglang_runs, trimmed
 
 pytestmark = requires_sglang
 
@@ -66,7 +66,7 @@ def test_step_and_request_lines_reconcile_with_the_tokens_sglang_served(
         assert served == r.completion_tokens <= MAX_NEW_TOKENS
         assert 1 + emitted[r.rid] == served, f"{r.rid}: the step lines emitted {emitted[r.rid]} after the first token"
         assert len(accepted[r.rid]) == r.steps, f"{r.rid}: step lines against SGLang's verify steps"
-        assert histogram(accepted[r.rid]) == _trimmed(r.histogram), f"{r.rid}: acceptance histograms differ"
+        assert histogram(accepted[r.rid]) == trimmed(r.histogram), f"{r.rid}: acceptance histograms differ"
         line = requests[r.rid]
         assert line[sc.FIELD_OUTPUT_TOKENS] == served and line[sc.FIELD_STEPS] == r.steps
         assert line[sc.FIELD_FINISH_REASON] == ("length" if served == MAX_NEW_TOKENS else "stop")
@@ -74,13 +74,6 @@ def test_step_and_request_lines_reconcile_with_the_tokens_sglang_served(
         assert line[sc.FIELD_MEAN_ACCEPTANCE] == pytest.approx(mean, abs=0.01)
     assert max(a for values in accepted.values() for a in values) >= 2, "no step accepted two drafts"
     assert any(len(r.token_ids) < MAX_NEW_TOKENS for r in runs), "no request stopped before the cap"
-
-
-def _trimmed(hist: list[int]) -> list[int]:
-    out = list(hist)
-    while out and out[-1] == 0:
-        out.pop()
-    return out
 
 
 OFF_PROBE = """
