@@ -148,7 +148,7 @@ def test_a_hybrids_states_are_counted_as_allocated_and_named_when_they_do_not_fi
     order = TokenOrder(parents=nodes - 1, depths=nodes, max_depth=n - 1)
     target.forward(nodes % 24, nodes, visible, cache, n, order=order)
     pending = cache.pending  # type: ignore[attr-defined]
-    held = sum(inputs.nbytes for _, inputs in pending.values())
+    held = sum(inputs.nbytes for _, inputs, _ in pending.values())
     node_states = 3 * 4 * math.prod(dims.recurrent.mixer.state)  # float32
     assert held == 2 * plan.width * (dims.recurrent.node_bytes(dims.dtype_bytes) - node_states)
     assert recurrent_bytes(dims, plan) > committed
