@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ddtree.kv_cache import KVCache
-from ddtree.models.gdn import commit_delta, delta_step, gdn_inputs, l2norm, tree_delta_rule
-from ddtree.models.layers import merge_heads
+from ddtree.models.gdn import commit_delta, delta_step, gdn_inputs, tree_delta_rule
+from ddtree.models.hybrid_regions import HybridRegions, gdn_qkv
 from ddtree.models.mamba2 import ssm_read, ssm_step
 from ddtree.models.recurrent import (
     NodeInputs,
@@ -132,7 +131,20 @@ class HybridTarget(Target):
         return HybridCache(self, batch, capacity)
 
     def compile_layers(self) -> None:
-        """The hybrid layers run eagerly for now (compiled regions cover the dense targets' layers)."""
+        """Fuse each layer's work around its state with `torch.compile` (`ddtree.models.hybrid_regions`): the
+        norm and projections before a mixer, its output projection, residual and MLP after; the convolution,
+        the recurrent steps, the cache writes and attention stay eager."""
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        self._compiled = HybridRegions.compiled(dynamic=False)
+        self._compiled_any = HybridRegions.compiled(dynamic=True)
+
+    def _regions(self, fused: bool, any_shape: bool) -> Any:
+        """The `HybridRegions` a forward's layers run: eager, or compiled per shape or for any."""
+        if not fused or not hasattr(self, "_compiled"):
+            return HybridRegions()
+        return self._compiled_any if any_shape else self._compiled
 
     def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[None].expand(3, -1, -1) if self._mrope else positions
@@ -155,60 +167,23 @@ class HybridTarget(Target):
         mask: torch.Tensor,
         cache: KVCache,
         key_span: int,
-        regions: tuple[Any, Any],
+        regions: Any,
         attention: str,
         order: TokenOrder | None = None,
     ) -> torch.Tensor:
         if not isinstance(cache, HybridCache):
             raise TypeError("a hybrid target runs on its own cache (HybridTarget.new_cache)")
-        h = layer.input_layernorm(x)
         slot, order = self._slot[index], order or TokenOrder()  # `_prepare` made it
         if hasattr(layer, "linear_attn"):
-            mixed = self._gdn(layer.linear_attn, slot, h, cache, order, fused=attention == "triton")
-        elif hasattr(layer, "mamba"):
-            mixed = self._mamba2(layer.mamba, slot, h, cache, order)
-        else:
-            mixed = self._attention(layer.self_attn, slot, h, (cos, sin), slots, mask, cache, key_span, attention)
-        x = x + mixed
-        if hasattr(layer, "feed_forward"):  # Bamba's names
-            out = layer.feed_forward(layer.pre_ff_layernorm(x))
-        else:
-            out = layer.mlp(layer.post_attention_layernorm(x))
-        result: torch.Tensor = x + (out[0] if isinstance(out, tuple) else out)  # a mixture of experts may pair it
-        return result
-
-    def _attention(
-        self,
-        attn: Any,
-        slot: int,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        slots: torch.Tensor,
-        mask: torch.Tensor,
-        cache: HybridCache,
-        key_span: int,
-        attention: str,
-    ) -> torch.Tensor:
-        """Attention over the tree; in the Qwen models the query projection also carries a gate per head,
-        applied to the attention's output."""
-        batch, n, _ = h.shape
-        dim = self.head_dim
-        projected = attn.q_proj(h)
-        gated = projected.shape[-1] == 2 * self.config.num_attention_heads * dim
-        if gated:
-            query, gate = torch.chunk(projected.view(batch, n, -1, 2 * dim), 2, dim=-1)
-        else:
-            query, gate = projected.view(batch, n, -1, dim), None
-        k = attn.k_proj(h).view(batch, n, -1, dim)
-        if hasattr(attn, "q_norm"):
-            query, k = attn.q_norm(query), attn.k_norm(k)
-        v = attn.v_proj(h).view(batch, n, -1, dim).transpose(1, 2)
-        q, k = self._rotate(query.transpose(1, 2), k.transpose(1, 2), *rope)
+            return self._gdn(layer, slot, x, cache, order, regions, fused=attention == "triton")
+        if hasattr(layer, "mamba"):
+            return self._mamba2(layer, slot, x, cache, order, regions)
+        q, k, v, gate = regions.attention_in(
+            layer, x, cos, sin, (self.config.num_attention_heads, self.head_dim, self._rotate)
+        )
         cache.write(slot, slots, k, v)
-        merged = merge_heads(attend(q, cache, slot, mask, key_span, attn.scaling, attention))
-        if gate is not None:
-            merged = merged * torch.sigmoid(gate.reshape(batch, n, -1))
-        result: torch.Tensor = attn.o_proj(merged)
+        attended = attend(q, cache, slot, mask, key_span, layer.self_attn.scaling, attention)
+        result: torch.Tensor = regions.attention_rest(layer, x, attended, gate)
         return result
 
     def _convolve(
@@ -222,31 +197,22 @@ class HybridTarget(Target):
         return tree_conv(conv_in, cache.conv[slot], weight, order.windows, bias)
 
     def _gdn(
-        self, attn: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder, fused: bool = False
+        self, layer: Any, slot: int, x: torch.Tensor, cache: HybridCache, order: TokenOrder, regions: Any, fused: bool
     ) -> torch.Tensor:
         """A GDN layer; over a tree, `fused` runs its steps and commit as Triton kernels (`attention` triton)."""
-        batch, n, _ = h.shape
-        k_heads, (v_heads, k_dim, v_dim) = self.mixer.k_heads, self.mixer.state
-        conv_in, z, b, a = _projections(attn, h)
-        mixed = self._convolve(conv_in, attn.conv1d, slot, cache, order)
-        q, k, v = torch.split(mixed, [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], dim=-1)
-        q = q.reshape(batch, n, k_heads, k_dim).repeat_interleave(v_heads // k_heads, dim=2)
-        k = k.reshape(batch, n, k_heads, k_dim).repeat_interleave(v_heads // k_heads, dim=2)
-        v = v.reshape(batch, n, v_heads, v_dim)
-        beta = b.sigmoid()
-        decay = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
+        conv_in, z, beta, decay = regions.gdn_in(layer, x)
+        mixed = self._convolve(conv_in, layer.linear_attn.conv1d, slot, cache, order)
         state = cache.recurrent[slot]
         if order.parents is None or order.depths is None:
+            q, k, v = gdn_qkv(mixed, self.mixer.k_heads, self.mixer.state)
             out = self._chain_gdn(q, k, v, decay, beta, order, state)
         else:
-            inputs = gdn_inputs(conv_in, l2norm(k.float()), v.float(), decay, beta.float())
-            query = l2norm(q.float()) / (k_dim**0.5)
+            query, key, value = regions.gdn_tree_qkv(mixed, self.mixer.k_heads, self.mixer.state)
+            inputs = gdn_inputs(conv_in, key, value, decay, beta.float())
             out = tree_delta_rule(query, inputs, order.parents, order.depths, state, order.max_depth, fused)
-            out = out.to(h.dtype)
             cache.pending[slot] = (delta_step, inputs, commit_delta if fused else None)
             cache.pending_steps = order.max_depth + 1
-        normed = attn.norm(out.reshape(-1, v_dim), z.reshape(-1, v_dim)).reshape(batch, n, -1)
-        result: torch.Tensor = attn.out_proj(normed)
+        result: torch.Tensor = regions.gdn_rest(layer, x, out, z)
         return result
 
     def _chain_gdn(
@@ -271,18 +237,19 @@ class HybridTarget(Target):
         result: torch.Tensor = out
         return result
 
-    def _mamba2(self, mixer: Any, slot: int, h: torch.Tensor, cache: HybridCache, order: TokenOrder) -> torch.Tensor:
-        batch, n, _ = h.shape
-        heads, head_dim, size = self.mixer.state
+    def _mamba2(
+        self, layer: Any, slot: int, hidden: torch.Tensor, cache: HybridCache, order: TokenOrder, regions: Any
+    ) -> torch.Tensor:
+        """A Mamba2 layer (`hidden` its input `[batch, n, hidden]`)."""
+        batch, n, _ = hidden.shape
+        mixer, (heads, head_dim, size) = layer.mamba, self.mixer.state
         inner, groups = mixer.intermediate_size, mixer.n_groups
-        gate, conv_in, dt = mixer.in_proj(h).split([inner, self.mixer.channels, heads], dim=-1)
+        gate, conv_in, dt = regions.mamba2_in(layer, hidden, self.mixer.channels)  # dt [batch, n, heads]
         mixed = self._convolve(conv_in, mixer.conv1d, slot, cache, order)
         x, b, c = torch.split(mixed, [inner, groups * size, groups * size], dim=-1)
         x = x.reshape(batch, n, heads, head_dim)
         b = b.reshape(batch, n, groups, size).repeat_interleave(heads // groups, dim=2)
         c = c.reshape(batch, n, groups, size).repeat_interleave(heads // groups, dim=2)
-        low, high = mixer.time_step_limit
-        dt = torch.clamp(F.softplus(dt + mixer.dt_bias.to(dt.dtype)), min=low, max=high)  # [batch, n, heads]
         a = -torch.exp(mixer.A_log.float())
         state = cache.recurrent[slot]
         if order.parents is None or order.depths is None:
@@ -291,10 +258,10 @@ class HybridTarget(Target):
             inputs = NodeInputs(conv_in, (x, b, dt))
             step = ssm_step(a)
             nodes = tree_states(step, inputs.steps, order.parents, order.depths, state, order.max_depth)
-            out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(h.dtype)
+            out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(hidden.dtype)
             cache.pending[slot] = (step, inputs, None)
             cache.pending_steps = order.max_depth + 1
-        result: torch.Tensor = mixer.out_proj(mixer.norm(out.reshape(batch, n, -1), gate).to(h.dtype))
+        result: torch.Tensor = regions.mamba2_rest(layer, hidden, out, gate)
         return result
 
     def _chain_mamba2(
@@ -323,19 +290,6 @@ class HybridTarget(Target):
 def _real(lengths: torch.Tensor, n: int) -> torch.Tensor:
     """[batch, n, 1] True for each request's first `lengths` tokens, False for its padding."""
     return (torch.arange(n, device=lengths.device)[None, :] < lengths[:, None])[..., None]
-
-
-def _projections(attn: Any, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The convolution's inputs `[batch, n, channels]` (queries, keys, values), the output gate `z`
-    `[batch, n, v_heads, v_dim]`, and `b`, `a` `[batch, n, v_heads]`: Qwen3-Next's fused projections
-    (grouped per key head), or Qwen3.5's separate ones."""
-    batch, n, _ = h.shape
-    if hasattr(attn, "in_proj_qkvz"):
-        q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(h), attn.in_proj_ba(h))
-        conv_in = torch.cat([x.reshape(batch, n, -1) for x in (q, k, v)], dim=-1)
-        return conv_in, z, b, a
-    z = attn.in_proj_z(h).reshape(batch, n, -1, attn.head_v_dim)
-    return attn.in_proj_qkv(h), z, attn.in_proj_b(h), attn.in_proj_a(h)
 
 
 def make_target(model: nn.Module, feature_layers: tuple[int, ...] = ()) -> Target:

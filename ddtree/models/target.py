@@ -159,8 +159,9 @@ class Target:
         self._qkv_any = torch.compile(_qkv, dynamic=True)
         self._residual_mlp_any = torch.compile(residual_mlp, dynamic=True)
 
-    def _regions(self, fused: bool, any_shape: bool) -> tuple[Any, Any]:
-        """The (qkv, residual and MLP) functions a forward's layers run: eager, or compiled per shape or for any."""
+    def _regions(self, fused: bool, any_shape: bool) -> Any:
+        """The functions a forward's layers run around attention and the cache, eager or compiled per shape or
+        for any: here (qkv, residual and MLP); a subclass's `_layer` reads its own."""
         if not fused:
             return _qkv, residual_mlp
         return (self._qkv_any, self._residual_mlp_any) if any_shape else (self._qkv, self._residual_mlp)
@@ -176,7 +177,7 @@ class Target:
         mask: torch.Tensor,
         cache: KVCache,
         key_span: int,
-        regions: tuple[Any, Any],
+        regions: Any,
         attention: str,
         order: TokenOrder | None = None,
     ) -> torch.Tensor:
