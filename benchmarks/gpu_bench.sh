@@ -10,7 +10,8 @@
 # The load-aware budget (opt-in steps): schedule runs the budget-switching tests on the GPU (graphed, needs pytest
 # and hypothesis); tune writes WORK/schedule.json; auto benches ar, B=4/16/64 and auto on it by continuous batching
 # in 1, 4, 16 and 64 slots; serve loads `ddtree serve` with as many streaming clients (needs fastapi, uvicorn,
-# httpx). hybrid times a random Qwen3.5-style target at a real shape (benchmarks/hybrid_step.py; needs no GGUF).
+# httpx). hybrid times a random Qwen3.5-style target at a real shape (benchmarks/hybrid_step.py; needs no GGUF);
+# hybrid-tests runs the hybrid tests on the GPU (needs pytest and hypothesis).
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -69,6 +70,10 @@ if has serve; then
     --log-dir "$work" --out "$work/serve.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
+if has hybrid-tests; then  # the hybrids' GDN kernels, compiled regions and lossless tests on the GPU
+  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels/test_gdn_tree.py \
+    tests/ddtree/models/test_hybrid.py tests/ddtree/models/test_hybrid_regions.py
+fi
 if has hybrid; then  # a random Qwen3.5-style target of 1.9 B parameters: float32 lossless, then step times
   $PY benchmarks/hybrid_step.py "$work" --batch 1 && $PY benchmarks/hybrid_step.py "$work" --batch 16 --skip-lossless
 fi

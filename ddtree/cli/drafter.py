@@ -246,16 +246,16 @@ def _eval_parser(drafter: Any) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from ddtree.models.default import default_drafter
-    from ddtree.train.runs import heldout_eval
+    from ddtree.train.heldout import HeldoutSet, heldout_eval
     from ddtree.train.setup import target_or_default
     from ddtree.train.teacher import heldout_teacher_eval
 
     target, drafter = target_or_default(args.target), args.drafter or str(default_drafter())
-    figures = (args.device, args.num_prompts, args.max_new_tokens)
     try:
-        result = {"teacher-forced": heldout_teacher_eval(target, drafter, *figures, budgets=args.budgets)}
+        held = HeldoutSet.load(target, drafter, args.device, args.num_prompts)  # both measures' pair and prompts
+        result = {"teacher-forced": heldout_teacher_eval(held, args.max_new_tokens, budgets=args.budgets)}
         if args.decoded:
-            result["decoded"] = heldout_eval(target, drafter, *figures, budgets=args.budgets)
+            result["decoded"] = heldout_eval(held, args.max_new_tokens, budgets=args.budgets)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     if args.json:

@@ -100,40 +100,6 @@ def add_eval(directory: Path, evaluation: dict[str, Any]) -> None:
     write_runs(directory, runs)
 
 
-def heldout_eval(
-    target_dir: str,
-    drafter_dir: str,
-    device: str = "auto",
-    prompts: int = 16,
-    max_new_tokens: int = 64,
-    batch_size: int = 16,
-    budgets: Sequence[int] = (EVAL_BUDGET,),
-) -> dict[str, Any]:
-    """tau of dflash and ddtree at `budgets`, greedy, decoded on the first `prompts` held-out prompts, with
-    `ddtree bench`'s code on the drafter as saved in `drafter_dir` (eager engine: tau does not depend on it)."""
-    from ddtree.bench.rows import run_bench
-    from ddtree.data import heldout_prompts
-    from ddtree.engine.engine import Engine
-    from ddtree.models.chat import chat_ids, eos_ids
-    from ddtree.models.pair import load_models
-
-    target, drafter, tokenizer = load_models(target_dir, drafter_dir, device)
-    if tokenizer is None:
-        raise ValueError(f"the held-out evaluation needs a tokenizer, and {target_dir!r} has none")
-    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
-    engine = Engine(target, drafter, cuda_graphs="off")
-    eos = eos_ids(tokenizer, target)
-    rows = run_bench(engine, encoded, list(budgets), max_new_tokens, batch_size, ["dflash", "ddtree"], eos)
-    return {
-        "measure": "decoded",
-        "prompts": len(encoded),
-        "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size,
-        "device": str(target.device),
-        "tau": {r.label: round(r.tau, 4) for r in rows if r.tau is not None},
-    }
-
-
 def tau_points(
     runs: Sequence[dict[str, Any]], teacher_forced_only: bool = False
 ) -> dict[str, list[tuple[float, float]]]:

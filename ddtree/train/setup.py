@@ -95,6 +95,7 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
     from ddtree.models.pair import resolve_device
     from ddtree.train.data import read_sequences
+    from ddtree.train.heldout import HeldoutSet, encode_heldout
     from ddtree.train.runs import add_eval
     from ddtree.train.teacher import heldout_evaluator, heldout_teacher_eval
     from ddtree.train.trainer import REPORT_FILE, train
@@ -119,13 +120,13 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         tokenizer = load_tokenizer(target_dir)
         if tokenizer is None:
             raise UserError(f"--eval-every needs the target's tokenizer, and {target_dir!r} has none")
-        evaluate = heldout_evaluator(target, tokenizer, drafter.to(device))
+        evaluate = heldout_evaluator(target, tokenizer, drafter.to(device), encode_heldout(tokenizer, 64))
     try:
         report: dict[str, Any] = train(
             drafter.to(device), target, data, out, config, resume=args.resume, evaluate=evaluate
         )
         if args.eval_heldout:
-            report["eval"] = heldout_teacher_eval(target_dir, str(out), args.device)
+            report["eval"] = heldout_teacher_eval(HeldoutSet.load(target_dir, str(out), args.device))
             add_eval(out, report["eval"])
             (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     except ValueError as exc:

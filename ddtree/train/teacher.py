@@ -27,6 +27,8 @@ from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.methods import TreeShape, get_method, mean_acceptance_length
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
+from ddtree.train.heldout import HeldoutSet
+from ddtree.train.runs import EVAL_BUDGET
 from ddtree.train.trainer import block_mask
 from ddtree.tree import ancestor_mask, build_tree, reachable_depth
 
@@ -141,28 +143,17 @@ def eval_shapes(budgets: Sequence[int], depth: int, chain: bool = True) -> list[
 
 
 def heldout_teacher_eval(
-    target_dir: str,
-    drafter_dir: str,
-    device: str = "auto",
-    prompts: int = 64,
-    max_new_tokens: int = 64,
-    budgets: Sequence[int] = (32,),
+    held: HeldoutSet, max_new_tokens: int = 64, budgets: Sequence[int] = (EVAL_BUDGET,)
 ) -> dict[str, Any]:
-    """tau of dflash and ddtree at `budgets`, greedy, teacher-forced on the first `prompts` held-out prompts
-    with `max_new_tokens` each, on the drafter as saved in `drafter_dir`: the record `--eval-heldout` keeps."""
-    from ddtree.data import heldout_prompts
-    from ddtree.models.pair import load_models
-
-    target, drafter, tokenizer = load_models(target_dir, drafter_dir, device)
-    if tokenizer is None or drafter is None:
-        raise ValueError(f"the held-out evaluation needs a tokenizer, and {target_dir!r} has none")
-    evaluate = heldout_evaluator(target.model, tokenizer, drafter, prompts, max_new_tokens, budgets)
+    """tau of dflash and ddtree at `budgets`, greedy, teacher-forced on the held-out prompts with
+    `max_new_tokens` each: the record `--eval-heldout` keeps."""
+    evaluate = heldout_evaluator(held.target.model, held.tokenizer, held.drafter, held.prompts, max_new_tokens, budgets)
     return {
         "measure": "teacher-forced",
-        "prompts": len(heldout_prompts()[:prompts]),
+        "prompts": len(held.prompts),
         "max_new_tokens": max_new_tokens,
-        "device": str(target.device),
-        "tau": evaluate(drafter),
+        "device": str(held.target.device),
+        "tau": evaluate(held.drafter),
     }
 
 
@@ -170,19 +161,18 @@ def heldout_evaluator(
     model: Any,
     tokenizer: Any,
     drafter: DFlashDrafter,
-    prompts: int = 64,
+    encoded: list[list[int]],
     max_new_tokens: int = 64,
-    budgets: Sequence[int] = (32,),
+    budgets: Sequence[int] = (EVAL_BUDGET,),
 ) -> Callable[[DFlashDrafter], dict[str, float]]:
-    """For training curves: the target's greedy replies to the held-out prompts, made once, and a function
-    that gives a drafter's teacher-forced tau on them (dflash and ddtree at `budgets`). `model` is the HF
-    target being trained against; the drafter may be in float32 beside a bfloat16 target on CUDA."""
-    from ddtree.data import heldout_prompts
-    from ddtree.models.chat import chat_ids, eos_ids
+    """For training curves: the target's greedy replies to the `encoded` held-out prompts
+    (`ddtree.train.heldout.encode_heldout`), made once, and a function that gives a drafter's teacher-forced
+    tau on them (dflash and ddtree at `budgets`). `model` is the HF target being trained against; the drafter
+    may be in float32 beside a bfloat16 target on CUDA."""
+    from ddtree.models.chat import eos_ids
     from ddtree.models.hybrid import make_target
 
     target = make_target(model, feature_layers=drafter.target_layer_ids)
-    encoded = [chat_ids(tokenizer, p) for p in heldout_prompts()[:prompts]]
     replies = greedy_replies(Engine(target, None, cuda_graphs="off"), encoded, max_new_tokens, drafter.depth)
     shapes, eos = eval_shapes(budgets, drafter.depth), eos_ids(tokenizer, target)
 
