@@ -398,6 +398,20 @@ def _mutants() -> list[Mutant]:
             ("tests/ddtree/kernels/test_gdn_tree.py",),
         ),
         Mutant(
+            "ssm-kernel-never-reloads-the-parent",
+            "the Triton Mamba2 tree kernel continues every node from the node before it, sibling or not",
+            "ddtree/kernels/_ssm_tree_triton.py",
+            (("        if parent != held:\n", "        if parent < -5:\n"),),
+            ("tests/ddtree/kernels/test_ssm_tree.py",),
+        ),
+        Mutant(
+            "ssm-commit-kernel-skips-the-path",
+            "the Triton Mamba2 commit leaves the committed state where it was",
+            "ddtree/kernels/_ssm_tree_triton.py",
+            (("        if j < advance:\n", "        if j < 0:\n"),),
+            ("tests/ddtree/kernels/test_ssm_tree.py",),
+        ),
+        Mutant(
             "schedule-ar-steps-starve-the-drafter",
             "an ar step of a session whose budget follows the load does not hand the drafter its features",
             "ddtree/engine/proposers.py",

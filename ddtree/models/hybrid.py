@@ -21,7 +21,7 @@ from torch import nn
 from ddtree.kv_cache import KVCache
 from ddtree.models.gdn import commit_delta, delta_step, gdn_inputs, tree_delta_rule
 from ddtree.models.hybrid_regions import HybridRegions, gdn_qkv
-from ddtree.models.mamba2 import ssm_read, ssm_step
+from ddtree.models.mamba2 import ssm_commit, ssm_step, tree_ssm
 from ddtree.models.recurrent import (
     NodeInputs,
     PathCommit,
@@ -29,7 +29,6 @@ from ddtree.models.recurrent import (
     chain_conv,
     commit_path,
     tree_conv,
-    tree_states,
     tree_windows,
 )
 from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder, attend
@@ -177,7 +176,7 @@ class HybridTarget(Target):
         if hasattr(layer, "linear_attn"):
             return self._gdn(layer, slot, x, cache, order, regions, fused=attention == "triton")
         if hasattr(layer, "mamba"):
-            return self._mamba2(layer, slot, x, cache, order, regions)
+            return self._mamba2(layer, slot, x, cache, order, regions, fused=attention == "triton")
         q, k, v, gate = regions.attention_in(
             layer, x, cos, sin, (self.config.num_attention_heads, self.head_dim, self._rotate)
         )
@@ -238,9 +237,17 @@ class HybridTarget(Target):
         return result
 
     def _mamba2(
-        self, layer: Any, slot: int, hidden: torch.Tensor, cache: HybridCache, order: TokenOrder, regions: Any
+        self,
+        layer: Any,
+        slot: int,
+        hidden: torch.Tensor,
+        cache: HybridCache,
+        order: TokenOrder,
+        regions: Any,
+        fused: bool,
     ) -> torch.Tensor:
-        """A Mamba2 layer (`hidden` its input `[batch, n, hidden]`)."""
+        """A Mamba2 layer (`hidden` its input `[batch, n, hidden]`); over a tree, `fused` runs its steps and
+        commit as Triton kernels (`attention` triton)."""
         batch, n, _ = hidden.shape
         mixer, (heads, head_dim, size) = layer.mamba, self.mixer.state
         inner, groups = mixer.intermediate_size, mixer.n_groups
@@ -256,10 +263,9 @@ class HybridTarget(Target):
             out = self._chain_mamba2(mixer, x, dt, a, b, c, order, state)
         else:
             inputs = NodeInputs(conv_in, (x, b, dt))
-            step = ssm_step(a)
-            nodes = tree_states(step, inputs.steps, order.parents, order.depths, state, order.max_depth)
-            out = ssm_read(nodes, c.to(nodes.dtype), x, mixer.D).to(hidden.dtype)
-            cache.pending[slot] = (step, inputs, None)
+            tree = (order.parents, order.depths, order.max_depth)
+            out = tree_ssm(inputs, c, a, mixer.D, tree, state, fused).to(hidden.dtype)
+            cache.pending[slot] = (ssm_step(a), inputs, ssm_commit(a) if fused else None)
             cache.pending_steps = order.max_depth + 1
         result: torch.Tensor = regions.mamba2_rest(layer, hidden, out, gate)
         return result

@@ -5,6 +5,7 @@ sampled ddtree follows the target's distribution."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -83,18 +84,25 @@ def test_requests_joining_and_leaving_decode_as_alone(kind: str) -> None:
         assert [o.token_ids for o in out] == [o.token_ids for o in ar], method
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_the_triton_gdn_kernels_decode_as_ar(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the triton attention the GDN layers' tree steps and commits are Triton kernels too (on CPU in
+GDN_KERNELS = ("gdn_tree", "tree_delta_rule_fused", "commit_delta_fused")
+SSM_KERNELS = ("ssm_tree", "tree_ssm_fused", "commit_ssm_fused")
+
+
+@pytest.mark.parametrize(
+    ("kind", "kernels"), [("qwen3_next", GDN_KERNELS), ("qwen3_5", GDN_KERNELS), ("bamba", SSM_KERNELS)]
+)
+def test_the_triton_state_kernels_decode_as_ar(
+    kind: str, kernels: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the triton attention the recurrent layers' tree steps and commits are Triton kernels too (on CPU in
     Triton's interpreter); greedy dflash and ddtree through them still equal `ar`."""
     pytest.importorskip("triton")
-    from ddtree.kernels import gdn_tree
-
+    module = importlib.import_module(f"ddtree.kernels.{kernels[0]}")
     calls = {"tree": 0, "commit": 0}
-    for name, key in (("tree_delta_rule_fused", "tree"), ("commit_delta_fused", "commit")):
-        real = getattr(gdn_tree, name)
+    for name, key in zip(kernels[1:], ("tree", "commit"), strict=True):
+        real = getattr(module, name)
         monkeypatch.setattr(
-            gdn_tree, name, lambda *a, _real=real, _key=key: (calls.__setitem__(_key, calls[_key] + 1), _real(*a))[1]
+            module, name, lambda *a, _real=real, _key=key: (calls.__setitem__(_key, calls[_key] + 1), _real(*a))[1]
         )
     target, drafter = tiny_hybrid_pair(kind, 4, vocab=VOCAB, block_size=5, dtype=torch.float32)
     prompts = random_prompts(4, 3, vocab=VOCAB, low=1, high=9)
