@@ -114,8 +114,9 @@ def test_the_triton_state_kernels_decode_as_ar(
     assert calls["tree"] > 0 and calls["commit"] > 0
 
 
-def test_sampled_ddtree_follows_the_hybrid_targets_distribution() -> None:
-    target, drafter = tiny_hybrid_pair("qwen3_5", 11, vocab=VOCAB, block_size=4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_ddtree_follows_the_hybrid_targets_distribution(kind: str) -> None:
+    target, drafter = tiny_hybrid_pair(kind, 11, vocab=VOCAB, block_size=4)
     prompt, draws = [1, 2, 3], 3000
     config = GenerationConfig(method="ddtree", budget=12, temperature=1.0, seed=5, max_new_tokens=2)
     out = Engine(target, drafter).generate([prompt] * draws, config).outputs
