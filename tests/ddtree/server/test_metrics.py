@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ddtree.engine.session import DecodeSession
 from ddtree.schedule import BudgetSchedule, Choice, write_schedule
 from ddtree.server.app import create_app
 from ddtree.server.model import ServedModel, load_model
@@ -211,12 +212,17 @@ def test_a_failed_request_is_counted_as_an_error_and_a_stop_string_as_stop(
 ) -> None:
     worker = state(client).worker
     assert worker.session is not None
+    real, failed = DecodeSession.step, []
 
-    def broken() -> list[int]:
-        raise RuntimeError("device lost")
+    def broken(session: DecodeSession) -> list[int]:  # the first step of any session fails, the rest run
+        if not failed:
+            failed.append(session)
+            raise RuntimeError("device lost")
+        return real(session)
 
-    monkeypatch.setattr(worker.session, "step", broken)
-    assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8}).status_code == 500
+    monkeypatch.setattr(DecodeSession, "step", broken)
+    answer = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8})
+    assert answer.status_code == 500 and failed, answer.text
     _, text = alone(served, encode(served, "Hello"), 40)
     stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
     body = {"prompt": "Hello", "max_tokens": 40, "temperature": 0, "stop": [stop]}
