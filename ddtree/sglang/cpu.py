@@ -210,11 +210,21 @@ def _patch_torch_native_verify() -> None:
 
 
 def _patch_gdn() -> None:
-    """Gated-delta-net targets (Qwen3.5): `ddtree.sglang.cpu_gdn`'s torch stand-ins for the Triton kernels on
-    their path (convolution, gating, delta rule, tree verify and commit, the gated norm)."""
+    """Gated-delta-net targets (Qwen3.5, Qwen3-Next): `ddtree.sglang.cpu_gdn`'s torch stand-ins for the Triton
+    kernels on their path (convolution, gating, delta rule, tree verify and commit, the gated norm, Qwen3-Next's
+    projection split)."""
     from ddtree.sglang import cpu_gdn
 
     cpu_gdn.patch()
+
+
+def _patch_moe() -> None:
+    """Mixture-of-experts targets (Qwen3-Next): `ddtree.sglang.cpu_moe`'s torch stand-in for the shared expert's
+    fused sigmoid gate, the one Triton kernel of their expert block on a CPU (routing and experts run SGLang's
+    own torch code there)."""
+    from ddtree.sglang import cpu_moe
+
+    cpu_moe.patch()
 
 
 PATCHES: tuple[Callable[[], None], ...] = (
@@ -227,4 +237,5 @@ PATCHES: tuple[Callable[[], None], ...] = (
     _patch_input_embeds_dtype,
     _patch_torch_native_verify,
     _patch_gdn,
+    _patch_moe,
 )

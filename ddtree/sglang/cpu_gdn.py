@@ -368,13 +368,68 @@ def sigmoid_mul(
     return attn_output.copy_(product) if inplace else product
 
 
+def fused_gated_rms_norm(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str = "swish",
+    residual: torch.Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Stand-in for `rms_norm_gated` (kernels/ops/attention/fla/fused_norm_gate.py), which Qwen3-Next's
+    `FusedRMSNormGated` calls: the RMS norm of `x` over its last dimension, times `weight`, times SiLU of the
+    gate `g` (of `x`'s size), as `gated_rms_norm`."""
+    if residual is not None or prenorm:
+        raise NotImplementedError("the CPU fused gated-norm stand-in takes no residual")
+    return gated_rms_norm(x, weight, bias, g.reshape(x.shape), eps, is_rms_norm=True, activation=activation)
+
+
+def qkvzba_split(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    num_heads_qk: int,
+    num_heads_v: int,
+    head_qk: int,
+    head_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stand-in for `fused_qkvzba_split_reshape_cat` (kernels/ops/attention/triton_gdn_fused_proj.py), Qwen3-Next's
+    projection split: `mixed_qkvz` `[tokens, qk_heads * (q, k, v, z)]` and `mixed_ba` `[tokens, qk_heads * (b, a)]`,
+    each key head's group holding its `num_heads_v // num_heads_qk` value heads, to the convolution's input
+    `[tokens, (all q, all k, all v)]`, `z` `[tokens, v_heads, head_v]`, and `b`, `a` `[tokens, v_heads]`."""
+    tokens, group = mixed_qkvz.shape[0], num_heads_v // num_heads_qk
+    qkvz = mixed_qkvz.view(tokens, num_heads_qk, -1)
+    q, k, v, z = torch.split(qkvz, [head_qk, head_qk, group * head_v, group * head_v], dim=-1)
+    b, a = torch.split(mixed_ba.view(tokens, num_heads_qk, 2 * group), [group, group], dim=-1)
+    mixed_qkv = torch.cat([part.reshape(tokens, -1) for part in (q, k, v)], dim=-1)
+    z = z.reshape(tokens, num_heads_v, head_v).contiguous()
+    return mixed_qkv, z, b.reshape(tokens, num_heads_v).contiguous(), a.reshape(tokens, num_heads_v).contiguous()
+
+
+class TorchOnCpu:
+    """`torch` for Qwen3-Next's model module, except that `get_device_module()` with no device is `torch.cpu`:
+    `Qwen3GatedDeltaNet.__init__` (models/qwen3_next.py) builds its gated norm on
+    `torch.get_device_module().current_device()`, which is CUDA's in a CUDA build of torch, and fails there with
+    no GPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def get_device_module(device: Any = None) -> Any:
+        return torch.get_device_module("cpu" if device is None else device)
+
+
 def patch() -> None:
-    """Patch the stand-ins over the globals SGLang's GDN backend, kernels and Qwen3.5 model look up."""
-    from sglang.kernels.ops.attention.fla import layernorm_gated
+    """Patch the stand-ins over the globals SGLang's GDN backend, kernels and Qwen3.5 / Qwen3-Next models look
+    up."""
+    from sglang.kernels.ops.attention.fla import fused_norm_gate, layernorm_gated
     from sglang.srt.layers.attention import hybrid_linear_attn_backend
     from sglang.srt.layers.attention.linear import gdn_backend
     from sglang.srt.layers.attention.linear.kernels import gdn_triton
-    from sglang.srt.models import qwen3_5
+    from sglang.srt.models import qwen3_5, qwen3_next
 
     gdn_backend.causal_conv1d_fn = conv_prefill
     gdn_backend.causal_conv1d_update = conv_update
@@ -386,3 +441,6 @@ def patch() -> None:
     layernorm_gated.layernorm_fn = gated_rms_norm
     qwen3_5.fused_sigmoid_mul = sigmoid_mul
     qwen3_5._GDN_FUSED_QKVZBA_RATIOS = ()  # the model's own torch split of its fused projections
+    fused_norm_gate.rms_norm_gated = fused_gated_rms_norm
+    qwen3_next.fused_qkvzba_split_reshape_cat = qkvzba_split
+    qwen3_next.torch = TorchOnCpu()

@@ -1,13 +1,16 @@
-"""A tiny random Qwen3.5 target (gated delta-net layers and gated attention, as SGLang 0.5.23 loads it) and a
-random DFlash drafter for it, written to disk for SGLang's Engine and for `ddtree generate`.
+"""Tiny random gated-delta-net targets, as SGLang 0.5.23 loads them, and a random DFlash drafter for each,
+written to disk for SGLang's Engine and for `ddtree generate`: Qwen3.5 (dense) and Qwen3-Next (its sparse
+mixture of experts with a gated shared expert).
 
-Eight letters, an end-of-text and a mask token: with so few tokens the random drafter's guesses are often the
-target's, so trees of a dozen nodes or more accept paths two and three drafts deep.
+Four layers, three GDN and one gated attention. Eight letters, an end-of-text and a mask token: with so few
+tokens the random drafter's guesses are often the target's, so trees of a dozen nodes or more accept paths two
+and three drafts deep.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -18,6 +21,7 @@ from ddtree.models.tiny import EOS_TOKEN, MASK_TOKEN, random_hybrid, tiny_hybrid
 
 LETTERS = 8
 BLOCK_SIZE = 8
+KINDS = ("qwen3_5", "qwen3_next")  # `tiny_hybrid_config`'s names
 
 
 def letter_tokenizer(letters: int = LETTERS) -> PreTrainedTokenizerFast:
@@ -31,12 +35,22 @@ def letter_tokenizer(letters: int = LETTERS) -> PreTrainedTokenizerFast:
     return fast
 
 
-def write_gdn_pair(out: Path, seed: int = 0) -> tuple[Path, Path]:
-    """Write the target (`out/target`) and its drafter (`out/drafter`, block of `BLOCK_SIZE`); return both."""
+def gdn_config(kind: str, vocab_size: int) -> Any:
+    """The tiny config of `kind` (`KINDS`). Qwen3-Next's has four experts of 32, two a token (normalised), and
+    a shared expert of 32."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown GDN target kind {kind!r}; known: {', '.join(KINDS)}")
+    config = tiny_hybrid_config(kind, vocab_size, hidden_size=64, num_layers=4)
+    config.full_attention_interval = 4  # SGLang reads the layer pattern from it (layer 3 attends)
+    return config
+
+
+def write_gdn_pair(out: Path, seed: int = 0, kind: str = "qwen3_5") -> tuple[Path, Path]:
+    """Write a target of `kind` (`out/target`) and its drafter (`out/drafter`, block of `BLOCK_SIZE`); return
+    both."""
     tokenizer = letter_tokenizer()
-    config = tiny_hybrid_config("qwen3_5", len(tokenizer), hidden_size=64, num_layers=4)
+    config = gdn_config(kind, len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
-    config.full_attention_interval = 4  # SGLang's Qwen3.5 reads the layer pattern from it (layer 3 attends)
     model = random_hybrid(config, seed)
     with torch.no_grad():
         model.lm_head.weight[LETTERS:] *= 0.05  # end-of-text and mask: seldom the target's or the drafter's pick

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import ddtree
 from ddtree.cli.main import main
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -25,6 +26,10 @@ requires_sglang = pytest.mark.skipif(
     reason="sglang 0.5.23 is not installed in this environment; `make test-sglang` runs these in .venv-sglang",
 )
 ENGINE_RUN = Path(__file__).with_name("engine_run.py")
+# The checkout whose `ddtree` this test imported: the engine's processes must import the same one, whatever
+# checkout the environment's editable install points at (engine_run.py runs with its own directory first on
+# the path, not the working directory).
+CHECKOUT = Path(ddtree.__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 32
 
 
@@ -49,7 +54,8 @@ def sglang_runs(
 ) -> list[Run]:
     """Greedy generation for `prompts` as one batch on SGLang's Engine (CPU mode, float32), in a fresh process;
     `request` adds `engine_run.py`'s other fields (a pair's directories, Engine arguments)."""
-    full_env = {**os.environ, "DDTREE_SGLANG_CPU": "1", **(env or {})}
+    path = os.pathsep.join([str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    full_env = {**os.environ, "PYTHONPATH": path, "DDTREE_SGLANG_CPU": "1", **(env or {})}
     fields = {"algorithm": algorithm, "prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS, **request}
     proc = subprocess.run(
         [sys.executable, str(ENGINE_RUN), json.dumps(fields)], env=full_env, capture_output=True, text=True, timeout=900

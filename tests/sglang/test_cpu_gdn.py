@@ -1,5 +1,6 @@
 """The CPU stand-ins for SGLang's GDN kernels (`ddtree.sglang.cpu_gdn`; pure torch, run without SGLang) against
-references that walk each node's path from the root explicitly."""
+references that walk each node's path from the root explicitly, and Qwen3-Next's projection split and gated norm
+against transformers' Qwen3-Next."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 from torch.nn import functional as F
 
 from ddtree.models.gdn import delta_step, l2norm
-from ddtree.sglang.cpu_gdn import conv_update, gating_rule_update, tree_parents
+from ddtree.models.tiny import tiny_hybrid_config
+from ddtree.sglang.cpu_gdn import conv_update, fused_gated_rms_norm, gating_rule_update, qkvzba_split, tree_parents
 from ddtree.sglang.tree_step import draft_tree, tree_links
+from tests.sglang.support import requires_sglang
 
 # A tree in our order (parents before children, siblings by rank) and a padding node (-1) at the end.
 PARENTS = [-1, 0, 0, 1, 1, 3, 2, -1]
@@ -96,3 +99,37 @@ def test_tree_delta_rule_starts_each_node_from_its_parents_state() -> None:
             query = l2norm(q[0, req * n + i]).repeat_interleave(2, dim=0) * k_dim**-0.5
             assert torch.allclose(out[0, req * n + i], (state * query[..., None]).sum(dim=-2), atol=1e-5)
             assert torch.allclose(scratch[req, i], state.transpose(-1, -2), atol=1e-5)
+
+
+def test_qwen3_next_projection_split_is_transformers() -> None:
+    """`fused_qkvzba_split_reshape_cat`'s stand-in against transformers' Qwen3-Next layer's own split (two key
+    heads of four value heads each, so each key head's group holds two)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    config = tiny_hybrid_config("qwen3_next", 10)
+    layer = Qwen3NextGatedDeltaNet(config, layer_idx=0)
+    heads = (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+    assert heads[1] // heads[0] > 1
+    gen = torch.Generator().manual_seed(2)
+    qkvz = torch.randn((5, layer.in_proj_qkvz.out_features), generator=gen)
+    ba = torch.randn((5, layer.in_proj_ba.out_features), generator=gen)
+    mixed_qkv, z, b, a = qkvzba_split(qkvz, ba, *heads)
+    query, key, value, z_ref, b_ref, a_ref = layer.fix_query_key_value_ordering(qkvz[None], ba[None])
+    qkv_ref = torch.cat([t.reshape(1, 5, -1) for t in (query, key, value)], dim=-1)[0]
+    assert torch.equal(mixed_qkv, qkv_ref)
+    assert torch.equal(z, z_ref[0]) and torch.equal(b, b_ref[0]) and torch.equal(a, a_ref[0])
+
+
+@requires_sglang
+def test_qwen3_next_gated_norm_is_transformers() -> None:
+    """`rms_norm_gated`'s stand-in (`FusedRMSNormGated`, Qwen3-Next's GDN output norm) against transformers'."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    gen = torch.Generator().manual_seed(3)
+    norm = Qwen3NextRMSNormGated(8, eps=1e-6)
+    norm.weight.data = torch.randn(8, generator=gen)
+    x, gate = torch.randn((6, 8), generator=gen), torch.randn((3, 2, 8), generator=gen)
+    got = fused_gated_rms_norm(x, gate, norm.weight, None, "silu", eps=1e-6)
+    assert torch.allclose(got, norm(x, gate.reshape(6, 8)), atol=1e-6)
+    with pytest.raises(NotImplementedError, match="residual"):
+        fused_gated_rms_norm(x, gate, norm.weight, None, "silu", residual=x)

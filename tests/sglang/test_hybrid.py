@@ -1,8 +1,10 @@
-"""DDTREE on a gated-delta-net (GDN) hybrid target in the real SGLang 0.5.23 Engine on CPU (DDTREE_SGLANG_CPU=1,
-float32) against our engine: a tiny random Qwen3.5 target (`gdn_pair`), a ragged batch of three prompts.
+"""DDTREE on gated-delta-net (GDN) hybrid targets in the real SGLang 0.5.23 Engine on CPU (DDTREE_SGLANG_CPU=1,
+float32) against our engine: tiny random Qwen3.5 and Qwen3-Next targets (`gdn_pair`), a ragged batch of three
+prompts.
 
 SGLang runs its own linear-attention backend in tree mode, with CPU stand-ins for its Triton kernels
-(`ddtree.sglang.cpu_gdn`); the radix cache is off (its state tracking is GPU-only) and the convolution windows
+(`ddtree.sglang.cpu_gdn`, and for Qwen3-Next's mixture of experts the shared expert's gate,
+`ddtree.sglang.cpu_moe`); the radix cache is off (its state tracking is GPU-only) and the convolution windows
 are kept in float32 (SGLang's default is bfloat16, which our float32 engine would not match).
 """
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.gdn_pair import write_gdn_pair
+from tests.sglang.gdn_pair import KINDS, write_gdn_pair
 from tests.sglang.support import Run, assert_same_runs, ddtree_runs, requires_sglang, sglang_runs, trimmed
 
 pytestmark = requires_sglang
@@ -25,9 +27,10 @@ ENGINE = {"disable_radix_cache": True}
 TREES = [(24, None), (12, 2)]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return write_gdn_pair(tmp_path_factory.mktemp("gdn"))
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A target of each kind (Qwen3.5, Qwen3-Next) and its drafter."""
+    return write_gdn_pair(tmp_path_factory.mktemp(request.param), kind=request.param)
 
 
 def _sglang(pair: tuple[Path, Path], algorithm: str, env: dict[str, str]) -> list[Run]:
