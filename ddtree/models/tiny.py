@@ -58,9 +58,9 @@ def tiny_hybrid_config(
     kind: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 4, heads: int = 4, kv_heads: int = 2
 ) -> Any:
     """A small hybrid config: three recurrent layers to one of full attention, as the models have.
-    `kind`: `qwen3_next` (fused projections, a mixture of experts), `qwen3_5` (Qwen3.5's dense text model) or
-    `bamba` (Mamba2 layers)."""
-    from transformers import BambaConfig, Qwen3_5TextConfig, Qwen3NextConfig
+    `kind`: `qwen3_next` (fused projections, a mixture of experts), `qwen3_5` (Qwen3.5's dense text model),
+    `qwen3_5_moe` (its mixture-of-experts text model) or `bamba` (Mamba2 layers)."""
+    from transformers import BambaConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     sizes: Any = _sizes(vocab_size, hidden_size, num_layers, heads, kv_heads)
     attention = [i for i in range(num_layers) if i % 4 == 3]
@@ -79,16 +79,17 @@ def tiny_hybrid_config(
         linear_conv_kernel_dim=4,
         layer_types=["full_attention" if i in attention else "linear_attention" for i in range(num_layers)],
     )
-    if kind == "qwen3_next":
+    if kind in ("qwen3_next", "qwen3_5_moe"):
         experts: Any = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
-        config = Qwen3NextConfig(**shared, **experts, shared_expert_intermediate_size=hidden_size // 2)
+        moe = Qwen3NextConfig if kind == "qwen3_next" else Qwen3_5MoeTextConfig
+        config = moe(**shared, **experts, shared_expert_intermediate_size=hidden_size // 2)
         # any dtype (the grouped kernel takes 16- and 32-bit floats) and no host sync, so CUDA graphs capture
         # it (the eager loop's `nonzero` cannot be captured)
         config._experts_implementation = "batched_mm"
         return config
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**shared)
-    raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5, bamba")
+    raise ValueError(f"unknown hybrid kind {kind!r}; known: qwen3_next, qwen3_5, qwen3_5_moe, bamba")
 
 
 def random_hybrid(config: Any, seed: int, init_std: float = 0.2) -> Any:

@@ -1,6 +1,6 @@
 """Tiny random gated-delta-net targets, as SGLang 0.5.23 loads them, and a random DFlash drafter for each,
-written to disk for SGLang's Engine and for `ddtree generate`: Qwen3.5 (dense) and Qwen3-Next (its sparse
-mixture of experts with a gated shared expert).
+written to disk for SGLang's Engine and for `ddtree generate`: Qwen3.5 (dense), Qwen3-Next and Qwen3.5-MoE
+(a sparse mixture of experts with a gated shared expert).
 
 Four layers, three GDN and one gated attention. Eight letters, an end-of-text and a mask token: with so few
 tokens the random drafter's guesses are often the target's, so trees of a dozen nodes or more accept paths two
@@ -21,7 +21,7 @@ from ddtree.models.tiny import EOS_TOKEN, MASK_TOKEN, random_hybrid, tiny_hybrid
 
 LETTERS = 8
 BLOCK_SIZE = 8
-KINDS = ("qwen3_5", "qwen3_next")  # `tiny_hybrid_config`'s names
+KINDS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")  # `tiny_hybrid_config`'s names
 
 
 def letter_tokenizer(letters: int = LETTERS) -> PreTrainedTokenizerFast:

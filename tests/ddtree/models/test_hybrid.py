@@ -1,4 +1,5 @@
-"""Hybrid targets (gated delta-net with gated attention: Qwen3-Next, Qwen3.5; Mamba2 with attention: Bamba) in
+"""Hybrid targets (gated delta-net with gated attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE; Mamba2 with
+attention: Bamba) in
 our layer loop: our `ar` is transformers' own greedy decode of the model, and greedy dflash and ddtree are our
 `ar`, token for token, on trees of every budget and top-k, ragged batches and requests that join and leave;
 sampled ddtree follows the target's distribution."""
@@ -18,11 +19,12 @@ from ddtree.cli.main import main
 from ddtree.engine.engine import Engine, GenerationConfig
 from ddtree.models.hybrid import HybridTarget
 from ddtree.models.pair import load_models
-from ddtree.models.tiny import write_tiny_target
+from ddtree.models.target import read_target_config
+from ddtree.models.tiny import tiny_hybrid_config, write_tiny_target
 from tests.ddtree.test_sampling import pooled_chisquare, target_probs
 from tests.helpers import random_prompts, tiny_hybrid_pair
 
-KINDS = ("qwen3_next", "qwen3_5", "bamba")
+KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "bamba")
 VOCAB = 8  # a small vocabulary: the random drafter's guesses are often the target's, so paths get long
 
 
@@ -89,7 +91,8 @@ SSM_KERNELS = ("ssm_tree", "tree_ssm_fused", "commit_ssm_fused")
 
 
 @pytest.mark.parametrize(
-    ("kind", "kernels"), [("qwen3_next", GDN_KERNELS), ("qwen3_5", GDN_KERNELS), ("bamba", SSM_KERNELS)]
+    ("kind", "kernels"),
+    [("qwen3_next", GDN_KERNELS), ("qwen3_5", GDN_KERNELS), ("qwen3_5_moe", GDN_KERNELS), ("bamba", SSM_KERNELS)],
 )
 def test_the_triton_state_kernels_decode_as_ar(
     kind: str, kernels: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
@@ -145,3 +148,31 @@ def test_a_hybrid_directory_loads_and_gets_a_drafter(kind: str, tmp_path: Path) 
     ar = engine.generate(prompts, GenerationConfig(method="ar", max_new_tokens=10)).outputs
     out = engine.generate(prompts, GenerationConfig(method="ddtree", budget=16, max_new_tokens=10)).outputs
     assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_a_vision_language_checkpoint_runs_its_text_model(kind: str, tmp_path: Path) -> None:
+    """Qwen3.5 ships as vision-language checkpoints (`qwen3_5`, `qwen3_5_moe`, the text model's config under
+    `text_config`): the target is its text model, and our `ar` is the whole model's greedy decode of text."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = tiny_hybrid_config(kind, 40, hidden_size=32, num_layers=4)
+    wrapper = AutoConfig.for_model(
+        kind,
+        text_config=text.to_dict(),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32),
+    )
+    torch.manual_seed(5)
+    whole = AutoModelForImageTextToText.from_config(wrapper).eval()
+    for param in whole.parameters():
+        if param.dim() > 1:
+            torch.nn.init.normal_(param, std=0.2)
+    whole.save_pretrained(tmp_path / "target")
+    assert read_target_config(tmp_path / "target").model_type == f"{kind}_text"
+    target, _, _ = load_models(str(tmp_path / "target"), None, "cpu", "float32")
+    assert isinstance(target, HybridTarget)
+    prompts = random_prompts(6, 2, vocab=40)
+    ours = Engine(target).generate(prompts, GenerationConfig(method="ar", max_new_tokens=10)).outputs
+    for prompt, out in zip(prompts, ours, strict=True):
+        ref = whole.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
