@@ -11,7 +11,7 @@ their weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -149,5 +149,4 @@ class HybridRegions:
         """Each region under `torch.compile`: per shape (`dynamic=False`, a step's few shapes) or once for
         symbolic sizes (the prefill's many)."""
         eager = cls()
-        names = ("gdn_in", "gdn_tree_qkv", "gdn_rest", "attention_in", "attention_rest", "mamba2_in", "mamba2_rest")
-        return cls(**{name: torch.compile(getattr(eager, name), dynamic=dynamic) for name in names})
+        return cls(**{f.name: torch.compile(getattr(eager, f.name), dynamic=dynamic) for f in fields(cls)})

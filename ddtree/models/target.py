@@ -26,8 +26,8 @@ DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 # Vision-language checkpoints whose text model is a target (Qwen3.5 ships as these): their `text_config` is
-# the target's, and transformers loads the text model alone from them.
-TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# the target's (checked as any other), and transformers loads the text model alone from them.
+MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -250,12 +250,12 @@ def read_target_config(path: str | Path) -> Any:
         config = AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as exc:
         raise UserError(f"cannot read the model config {config_file!r}: {exc}") from exc
-    if config.model_type in TEXT_OF_MULTIMODAL and getattr(config, "text_config", None) is not None:
+    if config.model_type in MULTIMODAL_MODEL_TYPES and getattr(config, "text_config", None) is not None:
         config = config.text_config  # a vision-language checkpoint: its text model is the target
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(
             f"unsupported target model type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            f" (and the vision-language {', '.join(TEXT_OF_MULTIMODAL)}, whose text model is run)"
+            f" (and the vision-language {', '.join(MULTIMODAL_MODEL_TYPES)}, whose text model is run)"
         )
     problem = _config_problem(config)
     if problem:
