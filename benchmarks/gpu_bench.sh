@@ -70,8 +70,8 @@ if has serve; then
     --log-dir "$work" --out "$work/serve.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
-if has hybrid-tests; then  # the hybrids' GDN kernels, compiled regions and lossless tests on the GPU
-  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels/test_gdn_tree.py \
+if has hybrid-tests; then  # the hybrids' GDN and SSM kernels, compiled regions and lossless tests on the GPU
+  DDTREE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/ddtree/kernels/test_gdn_tree.py tests/ddtree/kernels/test_ssm_tree.py \
     tests/ddtree/models/test_hybrid.py tests/ddtree/models/test_hybrid_regions.py
 fi
 if has hybrid; then  # a random Qwen3.5-style target of 1.9 B parameters: float32 lossless, then step times
