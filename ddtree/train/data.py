@@ -11,6 +11,7 @@ else int32), `lengths` and `prompt_len` (int32, one per sequence). About 2 bytes
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,16 +139,30 @@ def generate_responses(
     batch_size: int = 64,
     quiet: bool = False,
 ) -> list[TrainingSequence]:
-    """Greedy target responses (method ar), batched; prompts sorted by length to limit padding."""
+    """Greedy target responses (method ar), batched; prompts sorted by length to limit padding. A batch that
+    runs out of device memory is retried at half the size, and the rest keep the smaller size."""
     engine = Engine(target)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, TrainingSequence] = {}
     config = GenerationConfig(method="ar", max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
-    for start in tqdm(range(0, len(order), batch_size), desc="responses", unit="batch", disable=quiet):
-        chunk = order[start : start + batch_size]
-        result = engine.generate([prompts[i] for i in chunk], config)
-        for i, res in zip(chunk, result.outputs, strict=True):
-            out[i] = TrainingSequence(ids=list(prompts[i]) + res.token_ids, prompt_len=len(prompts[i]))
+    with tqdm(total=len(order), desc="responses", unit="prompt", disable=quiet) as bar:
+        start = 0
+        while start < len(order):
+            chunk = order[start : start + batch_size]
+            try:
+                result = engine.generate([prompts[i] for i in chunk], config)
+            except torch.OutOfMemoryError:
+                if batch_size == 1:
+                    raise
+                batch_size = max(1, batch_size // 2)
+                torch.cuda.empty_cache()
+                note = f"out of device memory at {len(chunk)} prompts a batch: going on with {batch_size}"
+                bar.write(note, sys.stderr)
+                continue
+            for i, res in zip(chunk, result.outputs, strict=True):
+                out[i] = TrainingSequence(ids=list(prompts[i]) + res.token_ids, prompt_len=len(prompts[i]))
+            start += len(chunk)
+            bar.update(len(chunk))
     return [out[i] for i in range(len(prompts))]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from ddtree.cli.main import main
@@ -155,3 +156,42 @@ def test_drafter_data_takes_conversations(
     assert any(f in texts[1] for f in FOLLOW_UPS), "--multi-turn 1: a follow-up for the one-turn prompt"
     (tmp_path / "empty.jsonl").write_text("")
     assert main([*argv[:4], "--prompts", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.jsonl")]) == 2
+
+
+def test_a_batch_out_of_device_memory_is_retried_smaller(
+    tiny_data: list[TrainingSequence], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The responses are the same when every batch over 3 prompts runs out of memory: the
+    size halves until a batch fits, and the rest keep that size."""
+    from ddtree.engine.engine import Engine
+    from tests.helpers import random_prompts, tiny_pair
+
+    target, _ = tiny_pair(1, vocab=16)
+    prompts = random_prompts(1, 24, vocab=16, low=2, high=6)  # the `tiny_data` fixture's prompts
+    real = Engine.generate
+    sizes: list[int] = []
+
+    def small_memory(self: Engine, batch: list[list[int]], config: Any) -> Any:
+        sizes.append(len(batch))
+        if len(batch) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return real(self, batch, config)
+
+    monkeypatch.setattr(Engine, "generate", small_memory)
+    seqs = generate_responses(target, prompts, max_new_tokens=24, eos_token_ids=(), batch_size=8)
+    assert seqs == tiny_data
+    assert sizes[:3] == [8, 4, 2] and set(sizes[3:]) == {2}
+    assert "going on with 4" in capsys.readouterr().err
+
+
+def test_out_of_memory_at_one_prompt_a_batch_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddtree.engine.engine import Engine
+    from tests.helpers import tiny_pair
+
+    def no_memory(self: Engine, batch: list[list[int]], config: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(Engine, "generate", no_memory)
+    target, _ = tiny_pair(1, vocab=16)
+    with pytest.raises(torch.OutOfMemoryError):
+        generate_responses(target, [[1, 2], [3, 4]], max_new_tokens=4, eos_token_ids=(), batch_size=2, quiet=True)
