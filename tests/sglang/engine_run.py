@@ -2,7 +2,8 @@
 
 Usage: python engine_run.py '{"algorithm": "DDTREE"|"DFLASH"|"NONE", "prompts": [[ids]], "max_new_tokens": n}'
 The pair is the default one unless the request names "target" and "drafter" directories; "engine" adds
-Engine arguments (e.g. {"disable_radix_cache": true}).
+Engine arguments (e.g. {"disable_radix_cache": true}) and "sampling" sampling parameters (greedy unless it names a
+temperature).
 DDTREE's budget and top-k come from SGLANG_DDTREE_BUDGET / SGLANG_DDTREE_TOPK in the environment. With
 DDTREE_DEBUG_METRICS=1 and DDTREE_LOG_FILE set, it waits for the log's request lines before shutting down.
 A script, not a test: SGLang starts its scheduler with multiprocessing's spawn, which re-imports `__main__`.
@@ -42,11 +43,9 @@ def main() -> None:
     request = json.loads(sys.argv[1])
     args = engine_args(request["algorithm"], request.get("target"), request.get("drafter"))
     engine = sglang.Engine(**args | request.get("engine", {}))
+    sampling = {"temperature": 0, "max_new_tokens": request["max_new_tokens"]} | request.get("sampling", {})
     try:
-        outputs = engine.generate(
-            input_ids=request["prompts"],
-            sampling_params={"temperature": 0, "max_new_tokens": request["max_new_tokens"]},
-        )
+        outputs = engine.generate(input_ids=request["prompts"], sampling_params=sampling)
         _wait_for_request_lines(len(outputs))
     finally:
         engine.shutdown()

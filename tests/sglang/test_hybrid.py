@@ -1,5 +1,5 @@
 """DDTREE on gated-delta-net (GDN) hybrid targets in the real SGLang 0.5.23 Engine on CPU (DDTREE_SGLANG_CPU=1,
-float32) against our engine: tiny random Qwen3.5 and Qwen3-Next targets (`gdn_pair`), a ragged batch of three
+float32) against our engine: tiny random Qwen3.5 and Qwen3-Next targets (`letter_pair`), a ragged batch of three
 prompts.
 
 SGLang runs its own linear-attention backend in tree mode, with CPU stand-ins for its Triton kernels
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.gdn_pair import KINDS, write_gdn_pair
+from tests.sglang.letter_pair import KINDS, write_letter_pair
 from tests.sglang.support import Run, assert_same_runs, ddtree_runs, requires_sglang, sglang_runs, trimmed
 
 pytestmark = requires_sglang
@@ -30,7 +30,7 @@ TREES = [(24, None), (12, 2)]
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A target of each kind (Qwen3.5, Qwen3-Next) and its drafter."""
-    return write_gdn_pair(tmp_path_factory.mktemp(request.param), kind=request.param)
+    return write_letter_pair(tmp_path_factory.mktemp(request.param), kind=request.param)
 
 
 def _sglang(pair: tuple[Path, Path], algorithm: str, env: dict[str, str]) -> list[Run]:

@@ -1,10 +1,11 @@
-"""Tiny random gated-delta-net targets, as SGLang 0.5.23 loads them, and a random DFlash drafter for each,
-written to disk for SGLang's Engine and for `ddtree generate`: Qwen3.5 (dense), Qwen3-Next and Qwen3.5-MoE
-(a sparse mixture of experts with a gated shared expert).
+"""Tiny random targets over eight letters, as SGLang 0.5.23 loads them, and a random DFlash drafter for each,
+written to disk for SGLang's Engine and for `ddtree generate`: the gated-delta-net (GDN) hybrids Qwen3.5
+(dense), Qwen3-Next and Qwen3.5-MoE (a sparse mixture of experts with a gated shared expert), and a dense
+Llama.
 
-Four layers, three GDN and one gated attention. Eight letters, an end-of-text and a mask token: with so few
-tokens the random drafter's guesses are often the target's, so trees of a dozen nodes or more accept paths two
-and three drafts deep.
+Four layers (for the hybrids three GDN and one gated attention). Eight letters, an end-of-text and a mask token:
+with so few tokens the random drafter's guesses are often the target's, so trees of a dozen nodes or more accept
+paths two and three drafts deep.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from ddtree.cli.main import main
-from ddtree.models.tiny import EOS_TOKEN, MASK_TOKEN, random_hybrid, tiny_hybrid_config
+from ddtree.models.tiny import EOS_TOKEN, MASK_TOKEN, random_hybrid, random_llama, tiny_hybrid_config, tiny_llama_config
 
 LETTERS = 8
 BLOCK_SIZE = 8
-KINDS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")  # `tiny_hybrid_config`'s names
+KINDS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")  # the GDN kinds, `tiny_hybrid_config`'s names
+DENSE = "llama"
 
 
 def letter_tokenizer(letters: int = LETTERS) -> PreTrainedTokenizerFast:
@@ -45,13 +47,13 @@ def gdn_config(kind: str, vocab_size: int) -> Any:
     return config
 
 
-def write_gdn_pair(out: Path, seed: int = 0, kind: str = "qwen3_5") -> tuple[Path, Path]:
-    """Write a target of `kind` (`out/target`) and its drafter (`out/drafter`, block of `BLOCK_SIZE`); return
-    both."""
+def write_letter_pair(out: Path, seed: int = 0, kind: str = "qwen3_5") -> tuple[Path, Path]:
+    """Write a target of `kind` (`KINDS` or `DENSE`) to `out/target` and its drafter (`out/drafter`, block of
+    `BLOCK_SIZE`); return both."""
     tokenizer = letter_tokenizer()
-    config = gdn_config(kind, len(tokenizer))
+    config = tiny_llama_config(len(tokenizer)) if kind == DENSE else gdn_config(kind, len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
-    model = random_hybrid(config, seed)
+    model = random_llama(config, seed) if kind == DENSE else random_hybrid(config, seed)
     with torch.no_grad():
         model.lm_head.weight[LETTERS:] *= 0.05  # end-of-text and mask: seldom the target's or the drafter's pick
     target, drafter = out / "target", out / "drafter"
