@@ -223,6 +223,12 @@ def _train_parser(drafter: Any) -> None:
     train.set_defaults(func=_train)
 
 
+PER_DEPTH_LINES = (
+    ("conditional", "chain, each depth's match rate once all drafts before it matched"),
+    ("first_in_top", "depth 1, the target's token among the drafter's top 1..k"),
+)
+
+
 def _eval_parser(drafter: Any) -> None:
     examples = (
         "ddtree drafter eval  # the shipped drafter: dflash and ddtree B=32 on the 64 held-out prompts",
@@ -239,6 +245,9 @@ def _eval_parser(drafter: Any) -> None:
     evaluate.add_argument(
         "--decoded", action="store_true", help="also decode as `ddtree bench` does (batch 16) and compare"
     )
+    evaluate.add_argument(
+        "--per-depth", action="store_true", help="also the chain's acceptance rate at each depth, and top-k at depth 1"
+    )
     evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
     device_args(evaluate, dtype=False)
     evaluate.set_defaults(func=_eval)
@@ -248,7 +257,7 @@ def _eval(args: argparse.Namespace) -> int:
     from ddtree.models.default import default_drafter
     from ddtree.train.heldout import HeldoutSet, heldout_eval
     from ddtree.train.setup import target_or_default
-    from ddtree.train.teacher import heldout_teacher_eval
+    from ddtree.train.teacher import heldout_depth_profile, heldout_teacher_eval
 
     target, drafter = target_or_default(args.target), args.drafter or str(default_drafter())
     try:
@@ -256,6 +265,8 @@ def _eval(args: argparse.Namespace) -> int:
         result = {"teacher-forced": heldout_teacher_eval(held, args.max_new_tokens, budgets=args.budgets)}
         if args.decoded:
             result["decoded"] = heldout_eval(held, args.max_new_tokens, budgets=args.budgets)
+        if args.per_depth:
+            result["per-depth"] = heldout_depth_profile(held, args.max_new_tokens)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     if args.json:
@@ -270,6 +281,8 @@ def _eval(args: argparse.Namespace) -> int:
             decoded = result["decoded"]["tau"][label]
             line += f"{decoded:>10.3f}{(tau - decoded) / decoded:>+8.1%}"
         print(line)
+    for key, what in PER_DEPTH_LINES if args.per_depth else ():
+        print(f"{what}: " + " ".join(f"{v:.3f}" for v in result["per-depth"][key]))
     return 0
 
 

@@ -183,3 +183,44 @@ def heldout_evaluator(
         return {label: round(t, 4) for label, t in tau.items() if t is not None}
 
     return evaluate
+
+
+def chain_depth_counts(logits: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([depth], [depth])`: of n steps with drafter `logits` `[n, depth, vocab]` and the target's tokens
+    `truth` `[n, depth]` after each anchor, how many reach each depth of the chain (every draft before it
+    matched) and how many of those match there."""
+    matched = torch.cumprod((logits.argmax(-1) == truth).long(), dim=1)  # [n, depth]: drafts 1..d all matched
+    reached = torch.cat([torch.ones_like(matched[:, :1]), matched[:, :-1]], dim=1)  # [n, depth]
+    return reached.sum(0), matched.sum(0)
+
+
+def top_k_coverage(logits: torch.Tensor, truth: torch.Tensor, k: int) -> torch.Tensor:
+    """`[k]`: how many of n steps have the target's first token `truth` `[n]` among the drafter's top 1 .. k
+    first drafts (`logits` `[n, vocab]`)."""
+    top = logits.topk(k, dim=-1).indices  # [n, k]
+    return (top == truth[:, None]).long().cumsum(dim=1).clamp(max=1).sum(0)
+
+
+def heldout_depth_profile(held: HeldoutSet, max_new_tokens: int = 64, k: int = 4) -> dict[str, list[float]]:
+    """Where the chain loses drafts, teacher-forced at every reply position of the held-out set: the rate at
+    which the draft at each depth matches once every draft before it has (`conditional`), and the share of
+    positions whose first token is among the drafter's top 1 .. `k` (`first_in_top`: what a tree's width
+    can add at depth 1)."""
+    depth = held.drafter.depth
+    replies = greedy_replies(Engine(held.target, None, cuda_graphs="off"), held.prompts, max_new_tokens, depth)
+    reached, matched = torch.zeros(depth), torch.zeros(depth)
+    covered, positions = torch.zeros(k), 0
+    with torch.no_grad():
+        for reply in replies:
+            logits = draft_logits(held.target, held.drafter, reply).float().cpu()  # [limit, depth, vocab]
+            tokens = torch.tensor(reply.tokens)
+            index = torch.arange(reply.limit)[:, None] + torch.arange(1, depth + 1)  # [limit, depth]
+            truth = tokens[index.clamp(max=len(reply.tokens) - 1)]  # [limit, depth]
+            steps, hits = chain_depth_counts(logits, truth)
+            reached, matched = reached + steps, matched + hits
+            covered += top_k_coverage(logits[:, 0], truth[:, 0], k)
+            positions += reply.limit
+    return {
+        "conditional": [round(x, 4) for x in (matched / reached.clamp(min=1)).tolist()],
+        "first_in_top": [round(x, 4) for x in (covered / max(positions, 1)).tolist()],
+    }

@@ -34,6 +34,20 @@ def test_eval_prints_both_measures_and_they_agree(
     assert [line.split()[0] for line in table[2:]] == ["dflash", "ddtree"] and table[2].endswith("+0.0%")
 
 
+def test_per_depth_rates_agree_with_each_other_and_print(
+    tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The chain's rate at depth 1 is the share of positions whose first token is the drafter's top 1."""
+    assert main(_argv(tiny_dirs, "--max-new-tokens", "8", "--per-depth", "--json")) == 0
+    depth = json.loads(capsys.readouterr().out)["per-depth"]
+    rates, top = depth["conditional"], depth["first_in_top"]
+    assert len(top) == 4 and top == sorted(top) and all(0 <= r <= 1 for r in rates + top)
+    assert rates[0] == top[0] and len(rates) > 1
+    assert main(_argv(tiny_dirs, "--max-new-tokens", "8", "--per-depth")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("chain, each depth's") and lines[-1].split()[-4:] == [f"{v:.3f}" for v in top]
+
+
 @pytest.mark.parametrize(("extra", "message"), [(["--budgets", "0"], "--budgets"), (["--num-prompts", "0"], "prompts")])
 def test_bad_eval_flags_exit_2_with_one_line(
     tiny_dirs: tuple[Path, Path], extra: list[str], message: str, capsys: pytest.CaptureFixture[str]

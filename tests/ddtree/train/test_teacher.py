@@ -16,7 +16,16 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.hybrid import make_target
 from ddtree.train.data import TrainingSequence
 from ddtree.train.runs import tau_points
-from ddtree.train.teacher import Reply, acceptance_lengths, eval_shapes, greedy_replies, teacher_forced_tau, walk
+from ddtree.train.teacher import (
+    Reply,
+    acceptance_lengths,
+    chain_depth_counts,
+    eval_shapes,
+    greedy_replies,
+    teacher_forced_tau,
+    top_k_coverage,
+    walk,
+)
 from ddtree.train.trainer import TrainConfig, train
 from tests.ddtree.train.conftest import FakeClock
 from tests.helpers import random_prompts, tiny_hybrid_pair, tiny_pair
@@ -94,3 +103,21 @@ def test_training_curves_evaluate_outside_the_training_time(
     assert tau_points([{"evals": evals, "eval": {"tau": {"dflash": 9.0}}, "cumulative_seconds": 9}])["dflash"] == [
         (e["seconds"] / 60, e["tau"]["dflash"]) for e in evals
     ], "the curve takes the run's evaluations, not its end-of-run one twice"
+
+
+def _one_hot(tokens: list[list[int]], vocab: int = 5) -> torch.Tensor:
+    """Logits `[n, depth, vocab]` whose argmax is `tokens`."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+
+
+def test_chain_depth_counts_stop_at_the_first_miss() -> None:
+    truth = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 4, 4]])  # [n, depth]
+    drafts = [[1, 2, 3], [1, 0, 3], [0, 2, 3], [4, 4, 0]]  # all, one then a miss (a later match no longer counts)
+    reached, matched = chain_depth_counts(_one_hot(drafts), truth)
+    assert reached.tolist() == [4, 3, 2] and matched.tolist() == [3, 2, 1]
+
+
+def test_top_k_coverage_counts_each_step_once_from_its_rank_on() -> None:
+    logits = torch.tensor([[5.0, 4, 3, 2, 1], [1, 2, 3, 4, 5], [5, 4, 3, 2, 1]])  # [n, vocab]
+    truth = torch.tensor([0, 3, 2])  # ranks 1, 2 and 3
+    assert top_k_coverage(logits, truth, 4).tolist() == [1, 2, 3, 3]
