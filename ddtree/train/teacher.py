@@ -93,6 +93,14 @@ def matched_drafts(logits: torch.Tensor, truth: torch.Tensor, shape: TreeShape) 
     return accept(tree, ancestor_mask(tree), target_tokens, root).accepted
 
 
+def target_after_anchors(reply: Reply, width: int, device: torch.device) -> torch.Tensor:
+    """`[limit, width]`: the target's `width` tokens after the anchor at each reply index j < limit (past the
+    reply's end, its last token)."""
+    tokens = torch.tensor(reply.tokens, device=device)
+    index = torch.arange(reply.limit, device=device)[:, None] + torch.arange(1, width + 1, device=device)
+    return tokens[index.clamp(max=len(reply.tokens) - 1)]
+
+
 def walk(matched: Sequence[int], reply: Reply, eos: Collection[int]) -> list[int]:
     """The acceptance lengths of a decode of `reply.limit` tokens whose step at reply index j accepts
     `matched[j]` drafts: the first token comes from the prefill, and the decode ends at the first
@@ -119,10 +127,7 @@ def acceptance_lengths(
     depth = drafter.depth
     for reply in replies:
         logits = draft_logits(target, drafter, reply)
-        tokens = torch.tensor(reply.tokens, device=logits.device)
-        after = torch.arange(1, depth + 2, device=logits.device)  # the target's tokens after the anchor
-        index = torch.arange(reply.limit, device=logits.device)[:, None] + after
-        truth = tokens[index.clamp(max=len(reply.tokens) - 1)]  # [limit, depth + 1]
+        truth = target_after_anchors(reply, depth + 1, logits.device)  # [limit, depth + 1]
         for shape in shapes:
             lengths[shape.label].append(walk(matched_drafts(logits, truth, shape).tolist(), reply, eos))
     return lengths
@@ -213,9 +218,7 @@ def heldout_depth_profile(held: HeldoutSet, max_new_tokens: int = 64, k: int = 4
     with torch.no_grad():
         for reply in replies:
             logits = draft_logits(held.target, held.drafter, reply).float().cpu()  # [limit, depth, vocab]
-            tokens = torch.tensor(reply.tokens)
-            index = torch.arange(reply.limit)[:, None] + torch.arange(1, depth + 1)  # [limit, depth]
-            truth = tokens[index.clamp(max=len(reply.tokens) - 1)]  # [limit, depth]
+            truth = target_after_anchors(reply, depth, logits.device)  # [limit, depth]
             steps, hits = chain_depth_counts(logits, truth)
             reached, matched = reached + steps, matched + hits
             covered += top_k_coverage(logits[:, 0], truth[:, 0], k)

@@ -164,10 +164,11 @@ def test_a_batch_out_of_device_memory_is_retried_smaller(
     """The responses are the same when every batch over 3 prompts runs out of memory: the
     size halves until a batch fits, and the rest keep that size."""
     from ddtree.engine.engine import Engine
+    from tests.ddtree.train.conftest import VOCAB
     from tests.helpers import random_prompts, tiny_pair
 
-    target, _ = tiny_pair(1, vocab=16)
-    prompts = random_prompts(1, 24, vocab=16, low=2, high=6)  # the `tiny_data` fixture's prompts
+    target, _ = tiny_pair(1, vocab=VOCAB)
+    prompts = random_prompts(1, 24, vocab=VOCAB, low=2, high=6)  # the `tiny_data` fixture's prompts
     real = Engine.generate
     sizes: list[int] = []
 
