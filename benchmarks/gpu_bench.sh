@@ -6,7 +6,8 @@
 # continuous batching of cont16 and cont64 spends its time). cont16 and cont64 run ar and ddtree B=16 by continuous
 # batching in 16 and 64 slots (cont64 on the held-out prompts four times over); projection needs bench1's JSON;
 # tests runs the kernel and zero-sync tests on the GPU, which need pytest and, for zero-sync, the telemetry
-# packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names.
+# packages. BENCH_ARGS adds bench options (e.g. --attention sdpa), BENCH_TAG a suffix to the JSON files' names,
+# DRAFTER another drafter than the shipped one.
 # The load-aware budget (opt-in steps): schedule runs the budget-switching tests on the GPU (graphed, needs pytest
 # and hypothesis); tune writes WORK/schedule.json; auto benches ar, B=4/16/64 and auto on it by continuous batching
 # in 1, 4, 16 and 64 slots; serve loads `ddtree serve` with as many streaming clients (needs fastapi, uvicorn,
@@ -16,7 +17,7 @@ set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
 target=$work/target
-drafter=$($PY -c "from ddtree.models.default import default_drafter; print(default_drafter())")
+drafter=${DRAFTER:-$($PY -c "from ddtree.models.default import default_drafter; print(default_drafter())")}
 mkdir -p "$work"
 has() { [[ ",$steps," == *",$1,"* ]]; }
 if has convert && [ ! -f "$target/config.json" ]; then
