@@ -63,7 +63,7 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), '<|im_end|>')" "$gguf" "$work
     "$0" target "$gguf" "$work"
     $DDTREE drafter data --model "$work/target" --out "$work/data.jsonl" \
       --num-prompts "${NUM_PROMPTS:-32000}" ${PROMPTS:+--prompts "$PROMPTS"} \
-      --max-new-tokens "${MAX_NEW_TOKENS:-160}" --batch-size "${DATA_BATCH:-2048}" --dtype bfloat16
+      --max-new-tokens "${MAX_NEW_TOKENS:-160}" --batch-size "${DATA_BATCH:-1024}" --dtype bfloat16
     $DDTREE drafter pack-data "$work/data.jsonl" "$work/data"
     ;;
   train)

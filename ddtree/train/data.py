@@ -10,6 +10,7 @@ else int32), `lengths` and `prompt_len` (int32, one per sequence). About 2 bytes
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from collections.abc import Sequence
@@ -140,7 +141,7 @@ def generate_responses(
     quiet: bool = False,
 ) -> list[TrainingSequence]:
     """Greedy target responses (method ar), batched; prompts sorted by length to limit padding. A batch that
-    runs out of device memory is retried at half the size, and the rest keep the smaller size."""
+    runs out of device memory is retried at half the size by a fresh engine, and the rest keep the smaller size."""
     engine = Engine(target)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: dict[int, TrainingSequence] = {}
@@ -154,7 +155,11 @@ def generate_responses(
             except torch.OutOfMemoryError:
                 if batch_size == 1:
                     raise
+                result = None
+            if result is None:  # outside the handler, so that its traceback no longer holds the batch's tensors
                 batch_size = max(1, batch_size // 2)
+                engine = Engine(target)  # drops the caches and CUDA graphs sized for the batch that failed
+                gc.collect()
                 torch.cuda.empty_cache()
                 note = f"out of device memory at {len(chunk)} prompts a batch: going on with {batch_size}"
                 bar.write(note, sys.stderr)

@@ -84,11 +84,30 @@ def write_runs(directory: Path, runs: list[dict[str, Any]]) -> None:
 
 
 def append_run(directory: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """Add `record` as the next run (its index set here); returns it."""
+    """Add `record` as the next run (its index set here); returns it.
+
+    The record's times come on the trainer state's clock, which starts at zero with a fresh state (a run
+    from `--init` or from scratch). In the file they continue the records before it: the run's cumulative
+    seconds are the last record's plus its own, and its evaluations' seconds move with them."""
     runs = read_runs(directory)
-    record = {"run": len(runs) + 1, **record}
+    before = float(runs[-1]["cumulative_seconds"]) if runs else 0.0
+    cumulative = round(before + float(record["wall_seconds"]), 1)
+    shift = cumulative - float(record["cumulative_seconds"])
+    evals = [{**e, "seconds": round(float(e["seconds"]) + shift, 1)} for e in record.get("evals", [])]
+    record = {"run": len(runs) + 1, **record, "cumulative_seconds": cumulative, "evals": evals}
     write_runs(directory, [*runs, record])
     return record
+
+
+def inherit_runs(source: Path, directory: Path) -> bool:
+    """Start `directory`'s runs.json with `source`'s records, where `directory` has none: a drafter trained
+    from `source`'s weights keeps their history. Returns whether it did."""
+    runs = read_runs(source)
+    if not runs or read_runs(directory):
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    write_runs(directory, runs)
+    return True
 
 
 def add_eval(directory: Path, evaluation: dict[str, Any]) -> None:

@@ -135,7 +135,9 @@ def run_training(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
 
 def _start_drafter(args: argparse.Namespace, target_dir: str, out: Path, device: torch.device) -> DFlashDrafter:
-    """The drafter of the trainer state in `out` when resuming from one, else `--init`'s, else a new one."""
+    """The drafter of the trainer state in `out` when resuming from one, else `--init`'s (with its run
+    records, where `out` has none), else a new one."""
+    from ddtree.train.runs import inherit_runs
     from ddtree.train.state import STATE_FILE
 
     if args.resume and (out / STATE_FILE).is_file():
@@ -143,5 +145,6 @@ def _start_drafter(args: argparse.Namespace, target_dir: str, out: Path, device:
     if args.resume:
         print(f"ddtree: no trainer state in {str(out)!r}: training starts at step 0", file=sys.stderr)
     if args.init:
+        inherit_runs(Path(args.init), out)  # the weights' history comes with them
         return load_drafter(args.init, device, torch.float32)
     return drafter_from_args(target_dir, args)

@@ -160,6 +160,7 @@ class _Progress:
     elapsed: float = 0.0  # training seconds of all runs, as of the last checkpoint
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # this run's held-out evaluations
+    last_eval: float | None = None  # the training time of the last one, unrounded (evals' seconds are rounded)
 
 
 Evaluate = Callable[[DFlashDrafter], dict[str, float]]  # the drafter as it is now -> tau by method label
@@ -285,6 +286,7 @@ def _loop(
             _checkpoint(drafter, opt, sched, rng, progress, out)
         if evaluate and config.eval_every_seconds and _eval_due(progress, timer, config.eval_every_seconds, stopped):
             progress.evals.append(_evaluation(drafter, evaluate, timer, progress.step))
+            progress.last_eval = timer.total
     bar.close()
     return stopped
 
@@ -292,7 +294,7 @@ def _loop(
 def _eval_due(progress: _Progress, timer: _Timer, every: float, stopped: str | None) -> bool:
     """Whether an evaluation is due: `every` seconds of training time after the run's last one (or its
     start), or at its end."""
-    last = progress.evals[-1]["seconds"] if progress.evals else timer.before
+    last = timer.before if progress.last_eval is None else progress.last_eval
     return stopped is not None or timer.total - last >= every
 
 

@@ -162,7 +162,7 @@ def test_a_batch_out_of_device_memory_is_retried_smaller(
     tiny_data: list[TrainingSequence], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The responses are the same when every batch over 3 prompts runs out of memory: the
-    size halves until a batch fits, and the rest keep that size."""
+    size halves until a batch fits, each retry on a fresh engine, and the rest keep that size."""
     from ddtree.engine.engine import Engine
     from tests.ddtree.train.conftest import VOCAB
     from tests.helpers import random_prompts, tiny_pair
@@ -172,8 +172,11 @@ def test_a_batch_out_of_device_memory_is_retried_smaller(
     real = Engine.generate
     sizes: list[int] = []
 
+    engines: list[int] = []
+
     def small_memory(self: Engine, batch: list[list[int]], config: Any) -> Any:
         sizes.append(len(batch))
+        engines.append(id(self))
         if len(batch) > 3:
             raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
         return real(self, batch, config)
@@ -182,6 +185,8 @@ def test_a_batch_out_of_device_memory_is_retried_smaller(
     seqs = generate_responses(target, prompts, max_new_tokens=24, eos_token_ids=(), batch_size=8)
     assert seqs == tiny_data
     assert sizes[:3] == [8, 4, 2] and set(sizes[3:]) == {2}
+    # each retry runs on a fresh engine (the failed size's caches dropped), which then serves the rest
+    assert len(set(engines[:3])) == 3 and set(engines[3:]) == {engines[2]}
     assert "going on with 4" in capsys.readouterr().err
 
 

@@ -97,6 +97,33 @@ def test_eval_every_records_the_curve_within_the_run(
     assert all(set(e["tau"]) == set(EVAL_LABELS) for e in evals)
 
 
+def test_a_run_from_init_continues_the_history_of_its_weights(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--init DIR` brings DIR's run records along, and the new run's times continue theirs."""
+    target, _ = tiny_dirs
+    rng = random.Random(2)
+    seqs = [TrainingSequence([rng.randrange(256) for _ in range(20)], 4) for _ in range(8)]
+    pack_sequences(seqs, tmp_path / "data")
+    argv = ["drafter", "train", "--model", str(target), "--data", str(tmp_path / "data"), "--device", "cpu"]
+    argv += ["--steps", "2", "--batch-size", "2", "--anchors", "2", "--num-layers", "1", "--block-size", "4"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*argv, "--out", str(first)]) == 0
+    history = json.loads((first / "runs.json").read_text())
+    history[0]["cumulative_seconds"] = 1000.0  # as if the weights had trained for 1,000 s
+    (first / "runs.json").write_text(json.dumps(history))
+    assert main([*argv, "--out", str(second), "--init", str(first), "--eval-every", "1e-9"]) == 0
+    runs = json.loads((second / "runs.json").read_text())
+    assert runs[0] == history[0] and runs[1]["run"] == 2
+    assert runs[1]["cumulative_seconds"] == round(1000.0 + runs[1]["wall_seconds"], 1)
+    assert all(1000.0 <= e["seconds"] <= runs[1]["cumulative_seconds"] for e in runs[1]["evals"])
+    assert main([*argv, "--out", str(second), "--init", str(first)]) == 0  # records of its own: kept, not replaced
+    capsys.readouterr()
+    runs = json.loads((second / "runs.json").read_text())
+    assert [r["run"] for r in runs] == [1, 2, 3]
+    assert runs[2]["cumulative_seconds"] == round(runs[1]["cumulative_seconds"] + runs[2]["wall_seconds"], 1)
+
+
 def test_bad_training_options_are_clear_errors(
     tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

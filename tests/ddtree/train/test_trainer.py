@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,3 +85,25 @@ def test_the_combined_loss_is_the_sum_of_both() -> None:
     with torch.no_grad():
         ce, kl, both = (float(block_loss(drafter, model, batch, 4.0, loss)[0]) for loss in ("ce", "kl", "ce+kl"))
     assert kl > 0 and both == pytest.approx(ce + kl, rel=1e-5)
+
+
+def test_an_evaluation_is_due_by_the_unrounded_training_time(
+    tmp_path: Path, tiny_data: list[TrainingSequence], fresh: Any
+) -> None:
+    """Steps of 0.03 s with an evaluation after every step: the records' seconds are rounded to 0.1 s (0.06
+    becomes 0.1), and the next due time counts from the time itself, not from the rounded record."""
+    readings = iter(0.03 * i for i in range(1000))
+    config = TrainConfig(steps=4, batch_size=4, anchors=4, warmup=2, eval_every_seconds=1e-9)
+    model, drafter = fresh()
+    report = train(
+        drafter,
+        model,
+        tiny_data,
+        tmp_path,
+        config,
+        quiet=True,
+        clock=lambda: next(readings),
+        evaluate=lambda d: {"dflash": 1.0},
+    )
+    assert [e["step"] for e in report["evals"]] == [1, 2, 3, 4]
+    assert [e["seconds"] for e in report["evals"]] == [0.0, 0.1, 0.1, 0.1]
