@@ -36,8 +36,9 @@ from ddtree.models.hybrid import make_target
 from ddtree.models.target import Target
 
 RUNS = (("ar", 0), ("dflash", 0), ("ddtree", 16), ("ddtree", 64))
-# The default pair's tau on the H200 at batch 1, bfloat16 (docs/benchmarks.md, the run2 auto rows): what a trained
-# drafter of this block size reaches; the projection is step time and this tau, not a measurement.
+# The default pair's tau with v2 (the drafter before v3) on the H200 at batch 1, bfloat16 (docs/benchmarks.md, the
+# run2 auto rows): what a trained drafter of this block size reaches; the projection is step time and this tau,
+# not a measurement.
 PAIR_TAU = {"ar": 1.0, "dflash": 2.21, "ddtree B=16": 2.72, "ddtree B=64": 3.07}
 
 
