@@ -80,17 +80,23 @@ def test_eval_heldout_stores_the_teacher_forced_tau_in_the_run_record(
     assert [round(r["tau"], 4) for r in rows] == [tau["dflash"], tau["ddtree B=32"]]
 
 
+def _tiny_training(target: Path, tmp_path: Path, seed: int, steps: int) -> list[str]:
+    """`drafter train` arguments, less `--out`, for a 1-layer drafter of the tiny target on 8 random sequences
+    of 20 tokens, packed into tmp_path/data."""
+    rng = random.Random(seed)
+    seqs = [TrainingSequence([rng.randrange(256) for _ in range(20)], 4) for _ in range(8)]
+    pack_sequences(seqs, tmp_path / "data")
+    argv = ["drafter", "train", "--model", str(target), "--data", str(tmp_path / "data"), "--device", "cpu"]
+    argv += ["--steps", str(steps), "--batch-size", "2", "--anchors", "2", "--num-layers", "1", "--block-size", "4"]
+    return argv
+
+
 def test_eval_every_records_the_curve_within_the_run(
     tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    target, _ = tiny_dirs
-    rng = random.Random(1)
-    seqs = [TrainingSequence([rng.randrange(256) for _ in range(20)], 4) for _ in range(8)]
-    pack_sequences(seqs, tmp_path / "data")
     out = tmp_path / "drafter"
-    argv = ["drafter", "train", "--model", str(target), "--data", str(tmp_path / "data"), "--out", str(out)]
-    argv += ["--steps", "4", "--batch-size", "2", "--anchors", "2", "--num-layers", "1", "--block-size", "4"]
-    assert main([*argv, "--device", "cpu", "--eval-every", "1e-9"]) == 0
+    argv = _tiny_training(tiny_dirs[0], tmp_path, seed=1, steps=4)
+    assert main([*argv, "--out", str(out), "--eval-every", "1e-9"]) == 0
     capsys.readouterr()
     evals = json.loads((out / "runs.json").read_text())[-1]["evals"]
     assert [e["step"] for e in evals] == [1, 2, 3, 4], "every step is past the interval, and the end evaluates"
@@ -101,12 +107,7 @@ def test_a_run_from_init_continues_the_history_of_its_weights(
     tiny_dirs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--init DIR` brings DIR's run records along, and the new run's times continue theirs."""
-    target, _ = tiny_dirs
-    rng = random.Random(2)
-    seqs = [TrainingSequence([rng.randrange(256) for _ in range(20)], 4) for _ in range(8)]
-    pack_sequences(seqs, tmp_path / "data")
-    argv = ["drafter", "train", "--model", str(target), "--data", str(tmp_path / "data"), "--device", "cpu"]
-    argv += ["--steps", "2", "--batch-size", "2", "--anchors", "2", "--num-layers", "1", "--block-size", "4"]
+    argv = _tiny_training(tiny_dirs[0], tmp_path, seed=2, steps=2)
     first, second = tmp_path / "first", tmp_path / "second"
     assert main([*argv, "--out", str(first)]) == 0
     history = json.loads((first / "runs.json").read_text())
