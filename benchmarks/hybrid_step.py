@@ -36,10 +36,10 @@ from ddtree.models.hybrid import make_target
 from ddtree.models.target import Target
 
 RUNS = (("ar", 0), ("dflash", 0), ("ddtree", 16), ("ddtree", 64))
-# The default pair's tau with v2 (the drafter before v3) on the H200 at batch 1, bfloat16 (docs/benchmarks.md, the
-# run2 auto rows): what a trained drafter of this block size reaches; the projection is step time and this tau,
-# not a measurement.
-PAIR_TAU = {"ar": 1.0, "dflash": 2.21, "ddtree B=16": 2.72, "ddtree B=64": 3.07}
+# The default pair's tau with the shipped drafter (v3) on the H100 at batch 1, bfloat16, 8 held-out prompts of 128
+# tokens (benchmarks/results/h100-smollm2-bf16-v3-b1.json): what a trained drafter of this block size reaches; the
+# projection is step time and this tau, not a measurement.
+PAIR_TAU = {"ar": 1.0, "dflash": 2.37, "ddtree B=16": 2.77, "ddtree B=64": 3.56}
 
 
 def qwen35_config(size: str) -> Any:
