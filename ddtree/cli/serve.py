@@ -71,6 +71,19 @@ def add_parser(sub: Any) -> None:
     serve.add_argument(
         "--shutdown-timeout", type=float_flag(0), default=30.0, help="seconds requests in flight get on SIGTERM"
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=POSITIVE,
+        default=None,
+        help="API server processes (HTTP, tokenizing, SSE) on the one port, beside the engine's process "
+        "(default: a quarter of the cores, 1 to 4; the start-up line says how many)",
+    )
+    serve.add_argument(
+        "--stream-interval",
+        type=POSITIVE,
+        default=1,
+        help="tokens gathered per streamed chunk (1: a chunk per decode step, as each step's tokens come)",
+    )
     _connection_args(serve)
     device_args(serve, graphs=True)
     serve.set_defaults(func=_serve)
@@ -118,6 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=args.backlog,
         keep_alive_timeout=args.keep_alive_timeout,
         max_header_bytes=args.max_header_bytes,
+        api_server_count=args.api_server_count,
+        stream_interval=args.stream_interval,
         options=engine_options(args),
     )
     check_settings(settings)  # before the default pair is pulled or anything loads
@@ -125,8 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ddtree.server.run import serve
 
-    serve(settings, args.host, args.port)  # prints the start-up line; returns once a graceful shutdown is done
-    return 0
+    # prints the start-up line; returns once a graceful shutdown is done (0), or the engine process died (1)
+    return serve(settings, args.host, args.port)
 
 
 def _check_serve_capacity(settings: ServerSettings) -> None:

@@ -41,10 +41,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.engine.requests import Request as DecodeRequest
+from ddtree.server.card import ApiModel
 from ddtree.server.errors import ApiError, api_error_response, bad_request, shutting_down, validation_error
 from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
+from ddtree.server.link import EngineLink, LocalEngine
 from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import MetricsMiddleware, RequestMeter, ServerMetrics, telemetry_exposition
 from ddtree.server.model import ServedModel, ServerSettings, load_model
@@ -52,7 +54,7 @@ from ddtree.server.prompts import chat_prompt, completion_prompt
 from ddtree.server.responses import Reply, ddtree_block, usage_block
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling
 from ddtree.server.text import TextStream
-from ddtree.server.worker import DecodeWorker, QueueFull, WorkerStopped
+from ddtree.server.worker import QueueFull, WorkerStopped
 from telemetry import semconv as sc
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -64,35 +66,52 @@ CLIENT_CLOSED = 499  # the client went away before the response (nginx's status)
 @dataclass
 class ServerState:
     settings: ServerSettings
-    model: ServedModel
-    worker: DecodeWorker
+    model: ApiModel
+    worker: EngineLink
     metrics: ServerMetrics
     created: int
     draining: bool = False  # shutting down: no new requests
 
 
 def create_app(settings: ServerSettings, model: ServedModel | None = None) -> FastAPI:
-    """The app for `settings`; `model` (already loaded) lets tests build several apps on one pair."""
+    """The app over a decode thread in this process (`LocalEngine`); `model` (already loaded) lets tests build
+    several apps on one pair. `ddtree serve` runs `api_app` in API processes over an engine process instead."""
     served = model if model is not None else load_model(settings)
-    worker = DecodeWorker(lambda: served.new_session(settings.max_batch_size), settings.max_queue)
-    metrics = ServerMetrics(
-        worker.waiting,
-        worker.running,
-        served.telemetry.dropped,
-        slots=worker.slots,
-        model=served.model_id,
-        method=served.generation.method,
+    worker = LocalEngine(
+        lambda: served.new_session(settings.max_batch_size), settings.max_queue, served.telemetry.dropped
     )
-    state = ServerState(settings, served, worker, metrics, int(time.time()))
+    return api_app(settings, served.api_model(), worker, on_end=served.telemetry.shutdown)
+
+
+def api_app(
+    settings: ServerSettings,
+    model: ApiModel,
+    link: EngineLink,
+    on_end: Callable[[], None] | None = None,
+    multiprocess_dir: str | None = None,
+) -> FastAPI:
+    """The app over `link`; `on_end` runs once the link is closed (telemetry's flush, in-process);
+    `multiprocess_dir`: the metrics of every API process are one view (prometheus-client's multiprocess mode)."""
+    metrics = ServerMetrics(
+        link.waiting,
+        link.running,
+        link.dropped,
+        slots=link.slots,
+        model=model.model_id,
+        method=model.card.method,
+        multiprocess_dir=multiprocess_dir,
+    )
+    state = ServerState(settings, model, link, metrics, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        await link.open()
         try:
             yield
         finally:
-            await asyncio.to_thread(worker.stop, settings.shutdown_timeout)
-            served.telemetry.shutdown()  # flushes spans, logs and metrics; bounded
+            await link.close(settings.shutdown_timeout)
+            if on_end is not None:
+                on_end()  # flushes spans, logs and metrics; bounded
 
     app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ddtree = state
@@ -149,7 +168,7 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     body, content_type = state.metrics.exposition()
-    return Response(body + await telemetry_exposition(state.model.telemetry), media_type=content_type)
+    return Response(body + await telemetry_exposition(state.model.card.telemetry_port), media_type=content_type)
 
 
 @_v1.get("/v1/models")
@@ -223,6 +242,8 @@ async def _generate(
                 streaming = True
                 return StreamingResponse(_events(state, generation, reply), media_type="text/event-stream")
             text = await generation.text()
+    except (QueueFull, WorkerStopped) as exc:  # an engine in another process answers after submit
+        raise _refused(state, exc) from None
     except GenerationFailed as exc:
         if state.draining:
             raise shutting_down() from None
@@ -245,11 +266,11 @@ def _start(
     max_tokens: int,
     traced: tuple[str, str | None],
 ) -> Generation:
-    model = state.model
+    model = state.model.card
     temperature = body.temperature if body.temperature is not None else DEFAULT_TEMPERATURE
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     request_id, trace_parent = traced
-    eos = model.generation.eos_token_ids
+    eos = model.eos_token_ids
     top = body.logprobs_count()
     request = DecodeRequest(
         prompt,
@@ -263,24 +284,30 @@ def _start(
         top_k=body.top_k_value(),
         logprobs=top,
     )
-    text = TextStream(model.tokenizer, prompt, body.stop_list())
-    generation = Generation(state.worker, request, text, meter)
-    generation.formatter = LogprobFormatter(model.tokenizer, meter.chat, top) if top is not None else None
+    tokenizer = state.model.tokenizer
+    text = TextStream(tokenizer, prompt, body.stop_list())
+    generation = Generation(state.worker, request, text, meter, state.settings.stream_interval)
+    generation.formatter = LogprobFormatter(tokenizer, meter.chat, top) if top is not None else None
     try:
         generation.submit()
-    except QueueFull:
-        raise ApiError(
+    except (QueueFull, WorkerStopped) as exc:
+        raise _refused(state, exc) from None
+    return generation
+
+
+def _refused(state: ServerState, exc: QueueFull | WorkerStopped) -> ApiError:
+    """A request that got no place: 429 on a full queue, else 503."""
+    if isinstance(exc, QueueFull):
+        return ApiError(
             429,
             f"the server is busy: {state.settings.max_queue} requests are already waiting; retry later",
             "rate_limit_error",
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        ) from None
-    except WorkerStopped:
-        if state.draining:
-            raise shutting_down() from None
-        raise ApiError(503, "the decode loop is not running", "server_error") from None
-    return generation
+        )
+    if state.draining:
+        return shutting_down()
+    return ApiError(503, "the decode loop is not running", "server_error")
 
 
 async def _events(state: ServerState, generation: Generation, reply: Reply) -> AsyncIterator[str]:
@@ -304,12 +331,10 @@ async def _events(state: ServerState, generation: Generation, reply: Reply) -> A
 
 
 def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int], dict[str, Any]]:
-    model = state.model
+    model = state.model.card
     usage = usage_block(generation.prompt_tokens, generation.completion_tokens)
     budgets = generation.step_budgets if model.schedule is not None else None
-    ddtree = ddtree_block(
-        model.generation.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths, budgets
-    )
+    ddtree = ddtree_block(model.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths, budgets)
     return usage, ddtree
 
 

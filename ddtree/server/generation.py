@@ -15,10 +15,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from ddtree.engine.requests import Request
+from ddtree.server.link import EngineLink
 from ddtree.server.logprobs import LogprobFormatter
 from ddtree.server.metrics import RequestMeter
 from ddtree.server.text import TextStream
-from ddtree.server.worker import DecodeWorker, Job, Scored, Update
+from ddtree.server.worker import REJECTED_QUEUE_FULL, Job, QueueFull, Scored, Update, WorkerStopped
 
 CLIENT_GONE = "the client disconnected"
 
@@ -32,8 +33,11 @@ class ClientGone(Exception):
 
 
 class Generation:
-    def __init__(self, worker: DecodeWorker, request: Request, text: TextStream, meter: RequestMeter) -> None:
+    def __init__(
+        self, worker: EngineLink, request: Request, text: TextStream, meter: RequestMeter, stream_interval: int = 1
+    ) -> None:
         self._loop = asyncio.get_running_loop()
+        self._interval = stream_interval  # tokens gathered per piece of text (the last piece may have fewer)
         self._updates: asyncio.Queue[Update] = asyncio.Queue()
         self._worker = worker
         self._text = text
@@ -61,16 +65,22 @@ class Generation:
         self._worker.submit(self.job)
 
     async def started(self) -> None:
-        """Wait for the first update, the prefill's token (GenerationFailed, ClientGone). A pipelined session
-        reads it with the first step after the join."""
+        """Wait for the first update, the prefill's token (GenerationFailed, ClientGone; QueueFull and
+        WorkerStopped where an engine in another process refused the job). A pipelined session reads it with
+        the first step after the join."""
         self._pending = await self._next_update()
 
     async def next_text(self) -> str | None:
-        """The next piece of text (maybe empty); None once the request has ended."""
+        """The next piece of text (maybe empty): the updates of `stream_interval` tokens or more (one update
+        at 1: a piece per step), or the last ones; None once the request has ended."""
         if self.finish_reason is not None:
             return None
         update, self._pending = self._pending or await self._next_update(), None
-        return self._take(update)
+        start = self._text.tokens
+        text = self._take(update)
+        while self.finish_reason is None and self._text.tokens - start < self._interval:
+            text += self._take(await self._next_update())
+        return text
 
     def take_unsent(self) -> list[tuple[int, Scored]]:
         """The scored tokens that no stream chunk has carried yet (for the next one)."""
@@ -99,6 +109,8 @@ class Generation:
 
     async def _next_update(self) -> Update:
         update = await self._updates.get()
+        if update.rejected is not None:
+            raise (QueueFull if update.rejected == REJECTED_QUEUE_FULL else WorkerStopped)(update.error)
         if update.error == CLIENT_GONE:
             raise ClientGone(update.error)
         if update.error is not None:

@@ -48,11 +48,11 @@ import collections
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,6 +82,17 @@ class _Dropped(Collector):
         for kind, count in sorted(counts.items()):
             family.add_metric([kind], count)
         yield family
+
+
+class _EngineState(Collector):
+    """The engine's state, read at scrape time (in an API process: as the engine's last message said)."""
+
+    def __init__(self, gauges: list[tuple[str, str, Callable[[], int]]]) -> None:
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, documentation, read in self.gauges:
+            yield GaugeMetricFamily(name, documentation, value=read())
 
 
 class _WithoutCreated(Collector):
@@ -155,16 +166,28 @@ class ServerMetrics:
         slots: Callable[[], int] = lambda: 0,
         model: str = "",
         method: str = "",
+        multiprocess_dir: str | None = None,
     ) -> None:
+        """`multiprocess_dir`: this process is one of several API processes in prometheus-client's
+        multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set before any of them started): a scrape of any of them
+        sums every process's counters and histograms, the ones that have ended included."""
         self.registry = CollectorRegistry()
-        self.registry.register(_Dropped(dropped))
         self.model = model
         self._http()
         self._requests()
         self.speculation = Speculation(self.registry, model, method)
-        Gauge(sc.PROM_WAITING_REQUESTS, "Requests waiting for a slot", registry=self.registry).set_function(waiting)
-        Gauge(sc.PROM_RUNNING_REQUESTS, "Requests in the decode session", registry=self.registry).set_function(running)
-        Gauge(sc.PROM_SLOTS, "Slots of the decode session", registry=self.registry).set_function(slots)
+        self.exposed = CollectorRegistry()  # what a scrape reads: the counters (this process's or all) and state
+        if multiprocess_dir is None:
+            self.exposed.register(_WithoutCreated(self.registry))
+        else:
+            MultiProcessCollector(self.exposed, path=multiprocess_dir)  # type: ignore[no-untyped-call]
+        self.exposed.register(_Dropped(dropped))
+        gauges = [
+            (sc.PROM_WAITING_REQUESTS, "Requests waiting for a slot", waiting),
+            (sc.PROM_RUNNING_REQUESTS, "Requests in the decode session", running),
+            (sc.PROM_SLOTS, "Slots of the decode session", slots),
+        ]
+        self.exposed.register(_EngineState(gauges))
 
     def _http(self) -> None:
         self.requests = Counter(
@@ -237,7 +260,7 @@ class ServerMetrics:
         return operation, self.model, sc.GEN_AI_SYSTEM_DDTREE
 
     def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
+        return generate_latest(self.exposed), CONTENT_TYPE_LATEST
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -324,11 +347,10 @@ class MetricsMiddleware:
             self.metrics.request_done(endpoint_label(str(scope["path"])), status, time.perf_counter() - started)
 
 
-async def telemetry_exposition(telemetry: Any) -> bytes:
+async def telemetry_exposition(port: int | None) -> bytes:
     """The telemetry layer's Prometheus text (`DDTREE_DEBUG_METRICS=1`), fetched from its exporter process on
-    loopback, so that `/metrics` is the one endpoint; empty when telemetry is off or does not answer (a
-    telemetry failure never fails the scrape of the server's own metrics)."""
-    port = getattr(telemetry, "prometheus_port", None)
+    loopback (`port`, None when telemetry is off), so that `/metrics` is the one endpoint; empty when telemetry
+    is off or does not answer (a telemetry failure never fails the scrape of the server's own metrics)."""
     if not port:
         return b""
     return await asyncio.to_thread(_fetch, f"http://127.0.0.1:{port}/metrics")

@@ -21,6 +21,7 @@ from ddtree.runtime import (
     resolve_paths,
 )
 from ddtree.schedule import BudgetSchedule
+from ddtree.server.card import ApiModel, ModelCard
 from ddtree.server.connections import connection_budget, descriptors_needed, fd_limit
 from telemetry import TelemetryConfig, start_telemetry
 
@@ -50,6 +51,9 @@ class ServerSettings:
     backlog: int | None = None  # queued by the kernel before accept (uvicorn's); None: sized as max_connections
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept (uvicorn's timeout_keep_alive)
     max_header_bytes: int = 16 * 1024  # a head still incomplete past this size is a 400 (h11_max_incomplete_event_size)
+    # Processes (ddtree.server.launch): API server processes on the one port; None: fitted to the machine's cores.
+    api_server_count: int | None = None
+    stream_interval: int = 1  # tokens gathered per SSE chunk (vLLM's --stream-interval); 1: a chunk per step
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
@@ -61,8 +65,14 @@ def check_settings(settings: ServerSettings) -> None:
         raise UserError(f"--budget auto chooses ddtree trees; it needs --method ddtree, not {settings.method}")
     if settings.budget_schedule is not None:
         load_schedule(settings.budget_schedule)  # it exists and parses
-    for flag, value in (("--max-batch-size", settings.max_batch_size), ("--max-queue", settings.max_queue)):
-        if value < 1:
+    counts = {
+        "--max-batch-size": settings.max_batch_size,
+        "--max-queue": settings.max_queue,
+        "--api-server-count": settings.api_server_count,
+        "--stream-interval": settings.stream_interval,
+    }
+    for flag, value in counts.items():
+        if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     if settings.max_model_len is not None and settings.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {settings.max_model_len}")
@@ -116,6 +126,30 @@ class ServedModel:
     tree_topk: int | None
     schedule: BudgetSchedule | None = None  # the budget follows the load (`--budget auto`)
     telemetry: Any = field(default_factory=lambda: start_telemetry(TelemetryConfig()))  # the off one by default
+    model_dir: str = ""  # the target's directory (its tokenizer's)
+
+    def card(self) -> ModelCard:
+        """What the API server processes need to know (`ddtree.server.card`)."""
+        target = self.engine.target
+        choices = self.schedule.choices if self.schedule is not None else None
+        return ModelCard(
+            model_id=self.model_id,
+            model_dir=self.model_dir,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            method=self.generation.method,
+            eos_token_ids=tuple(self.generation.eos_token_ids),
+            tree_budget=self.tree_budget,
+            tree_topk=self.tree_topk,
+            schedule=tuple((c.batch_size, c.label) for c in choices) if choices is not None else None,
+            device=str(target.device),
+            dtype=str(target.dtype).removeprefix("torch."),
+            graphs=bool(self.engine.cuda_graphs),
+            telemetry_port=getattr(self.telemetry, "prometheus_port", None) or None,
+        )
+
+    def api_model(self) -> ApiModel:
+        return ApiModel(self.card(), self.tokenizer)
 
     def new_session(self, slots: int) -> DecodeSession:
         """A fresh session of `slots` slots for requests of up to `max_model_len` tokens."""
@@ -164,6 +198,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
         tree_topk=topk,
         schedule=schedule,
         telemetry=telemetry,
+        model_dir=model,
     )
 
 

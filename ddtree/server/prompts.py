@@ -8,21 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddtree.server.card import ApiModel
 from ddtree.server.errors import bad_request
-from ddtree.server.model import ServedModel
 from ddtree.server.schemas import ChatMessage, show
 
 SHOWN_IDS = 5
 
 
-def completion_prompt(model: ServedModel, prompt: str | list[int]) -> list[int]:
+def completion_prompt(model: ApiModel, prompt: str | list[int]) -> list[int]:
     """One prompt: a string, or token ids (`CompletionRequest` has unwrapped a list holding one)."""
     if isinstance(prompt, str):
         return _checked(model, [int(i) for i in model.tokenizer.encode(prompt)], "prompt")
     return _checked(model, list(prompt), "prompt")
 
 
-def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt(model: ApiModel, messages: list[ChatMessage]) -> list[int]:
     """The messages through the tokenizer's chat template, with the assistant's turn opened."""
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -41,7 +41,7 @@ def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
     return _checked(model, [int(i) for i in ids], "messages")
 
 
-def _checked(model: ServedModel, ids: list[int], param: str) -> list[int]:
+def _checked(model: ApiModel, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise bad_request("the prompt has no tokens", param=param)
     bad = [(at, i) for at, i in enumerate(ids) if not 0 <= i < model.vocab_size]

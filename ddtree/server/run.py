@@ -22,19 +22,19 @@ import contextlib
 import math
 import signal
 import socket
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import cast
 
 import uvicorn
 from fastapi import FastAPI
 
-from ddtree.server.app import ServerState, create_app
+from ddtree.server.app import ServerState
+from ddtree.server.card import ModelCard
 from ddtree.server.connections import ConnectionLimits, connection_budget, fd_limit, guarded_protocol
 from ddtree.server.logs import guard_logs
-from ddtree.server.model import ServedModel, ServerSettings
+from ddtree.server.model import ServerSettings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -45,19 +45,18 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
-        self.announce = False  # print `startup_line` on stderr once listening (what `serve` asks for)
+        self.on_started: Callable[[], None] | None = None  # once listening (an API process tells its launcher)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and self.announce:
-            print(startup_line(self.state.model, self.url()), file=sys.stderr, flush=True)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def url(self) -> str:
         """Where the server listens: the configured host, and the port bound (which `--port 0` leaves open)."""
-        host = self.config.host or "0.0.0.0"
         bound = [s.getsockname() for server in getattr(self, "servers", []) for s in server.sockets]
         port = bound[0][1] if bound and isinstance(bound[0], tuple) else self.config.port
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return url_of(self.config.host, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
@@ -81,10 +80,13 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> GracefulServer:
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "info", processes: int = 1) -> GracefulServer:
+    """uvicorn for `app`; `processes`: API processes that share the port, and so `--max-connections`."""
     state = cast(ServerState, app.state.ddtree)
     settings = state.settings
     max_connections, backlog = connection_budget(settings.max_connections, settings.backlog, fd_limit())
+    if settings.max_connections is not None:
+        max_connections = max(1, math.ceil(max_connections / processes))
     limits = ConnectionLimits(
         max_connections, header_timeout=settings.header_timeout, body_timeout=settings.body_timeout
     )
@@ -104,26 +106,20 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> 
     return GracefulServer(config, state)
 
 
-def startup_line(model: ServedModel, url: str) -> str:
-    """`ddtree serve: SmolLM2-135M-Instruct, method ddtree, budget 32, cuda, bfloat16, graphs on, at
-    http://127.0.0.1:8000 (OpenAI API under /v1)`: the budget the engine verifies where drafting, its top-k
-    where one is set, and under `--budget auto` the schedule's choices."""
-    target = model.engine.target
-    method = f"method {model.generation.method}"
-    if model.schedule is not None:
-        method += ", budget auto (" + ", ".join(f"{c.batch_size} rows: {c.label}" for c in model.schedule.choices) + ")"
-    elif model.tree_budget:
-        method += f", budget {model.tree_budget}" + (f", top-k {model.tree_topk}" if model.tree_topk else "")
-    dtype = str(target.dtype).removeprefix("torch.")
-    graphs = "on" if model.engine.cuda_graphs else "off"
-    return (
-        f"ddtree serve: {model.model_id}, {method}, {target.device}, {dtype}, graphs {graphs}, "
-        f"at {url} (OpenAI API under /v1)"
-    )
+def startup_line(card: ModelCard, url: str, api_servers: int) -> str:
+    """`ddtree serve: SmolLM2-135M-Instruct, method ddtree, budget 32, cuda, bfloat16, graphs on, 4 API server
+    processes, at http://127.0.0.1:8000 (OpenAI API under /v1)`."""
+    processes = f"{api_servers} API server process" + ("es" if api_servers != 1 else "")
+    return f"ddtree serve: {card.describe()}, {processes}, at {url} (OpenAI API under /v1)"
 
 
-def serve(settings: ServerSettings, host: str, port: int) -> None:
-    """Load the pair, say so on stderr once listening, serve until a signal, shut down gracefully."""
-    server = make_server(create_app(settings), host, port)
-    server.announce = True
-    server.run()
+def url_of(host: str, port: int) -> str:
+    host = host or "0.0.0.0"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(settings: ServerSettings, host: str, port: int) -> int:
+    """The engine process, the API processes on `host:port`, until a signal (0) or the engine's death (1)."""
+    from ddtree.server.launch import Launcher
+
+    return Launcher(settings, host, port).run()

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 STEP_FAILED = "the decode step failed"
 JOIN_FAILED = "the prefill failed"
 STOPPED = "the decode loop stopped"
+REJECTED_QUEUE_FULL = "queue_full"  # Update.rejected: the queue was full (QueueFull)
+REJECTED_STOPPED = "stopped"  # Update.rejected: the decode loop was not running (WorkerStopped)
 
 
 class QueueFull(Exception):
@@ -57,6 +59,7 @@ class Update:
     scores: list[Scored] = field(default_factory=list)  # per token, where the request asked for logprobs
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
     error: str | None = None  # the request failed; nothing follows
+    rejected: str | None = None  # the request never got a place (REJECTED_*), said by an engine in another process
 
 
 @dataclass(eq=False)
@@ -92,6 +95,9 @@ class DecodeWorker:
         self._paused = False
         self.session: DecodeSession | None = None
         self.step_hook: StepHook | None = None  # for tests: runs after every step
+        # Runs on the decode thread after each round of deliveries (a join's and a step's, a failure's, the
+        # last ones at the end): the engine process sends a round's updates as one message per API process.
+        self.delivered: Callable[[], None] | None = None
         self.steps = 0
         self.cancelled = 0  # requests left before their end
         self.failures = 0  # failed joins and steps
@@ -170,10 +176,16 @@ class DecodeWorker:
                     self._step()
                 if not self._running:
                     self._idle()
+                self._flush()
         except BaseException:
             log.exception("the decode loop stopped")
         finally:
             self._shut_down()
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.delivered is not None:
+            self.delivered()
 
     def _next_batch(self) -> list[Job] | None:
         """Wait until there is work; take as many waiting jobs as there are free slots. None: stop."""
