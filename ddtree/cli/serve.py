@@ -138,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_settings(settings)  # before the default pair is pulled or anything loads
     _check_serve_capacity(settings)  # before the server starts and reports healthy
 
-    from ddtree.server.run import serve
+    from ddtree.server.launch import serve
 
     # prints the start-up line; returns once a graceful shutdown is done (0), or the engine process died (1)
     return serve(settings, args.host, args.port)

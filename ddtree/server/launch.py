@@ -41,11 +41,17 @@ from ddtree.errors import UserError
 from ddtree.server import transport as tp
 from ddtree.server.card import ApiModel, ModelCard
 from ddtree.server.model import ServerSettings
+from ddtree.server.run import make_server, startup_line, url_of
 
 SUPERVISE_S = 0.05  # how often the launcher looks at its processes and signals
 ENGINE_STOP_S = 15.0  # the engine's own stop: its decode thread ends at a step boundary
 MAX_AUTO_API_SERVERS = 4
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def serve(settings: ServerSettings, host: str, port: int) -> int:
+    """The engine process, the API processes on `host:port`, until a signal (0) or the engine's death (1)."""
+    return Launcher(settings, host, port).run()
 
 
 def default_api_servers(cores: int | None = None) -> int:
@@ -95,8 +101,6 @@ class Launcher:
             os.makedirs(os.environ[MULTIPROC_ENV])
             ready = [self._start_api(i) for i in range(self.count)]
             self._wait_listening(ready)
-            from ddtree.server.run import startup_line, url_of
-
             print(startup_line(self.card, url_of(self.host, self.port), self.count), file=sys.stderr, flush=True)
             code = self._supervise(zctx)
         finally:
@@ -224,7 +228,6 @@ def api_main(
     from ddtree.models.pair import load_tokenizer
     from ddtree.server.app import api_app
     from ddtree.server.client import EngineClient
-    from ddtree.server.run import make_server
 
     card = msgspec.msgpack.decode(card_bytes, type=ModelCard)
     model = ApiModel(card, load_tokenizer(card.model_dir))

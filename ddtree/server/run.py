@@ -116,10 +116,3 @@ def startup_line(card: ModelCard, url: str, api_servers: int) -> str:
 def url_of(host: str, port: int) -> str:
     host = host or "0.0.0.0"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def serve(settings: ServerSettings, host: str, port: int) -> int:
-    """The engine process, the API processes on `host:port`, until a signal (0) or the engine's death (1)."""
-    from ddtree.server.launch import Launcher
-
-    return Launcher(settings, host, port).run()

@@ -1,6 +1,8 @@
 """Every bad value and broken file is one clear line on stderr and exit status 2: never a traceback, never
-silence. `generate`, `bench` and `serve` run in-process on the tiny pair; `serve` stops where uvicorn would
-start (a stub), so a check that lets a bad value through shows as a server that started."""
+silence. `generate`, `bench` and `serve` run in-process on the tiny pair; `serve` loads the pair here as its
+engine process would and stops where the processes would start (a stub), so a check that lets a bad value
+through shows as a server that started. (The engine process's own errors reach the user as one line too:
+tests/ddtree/server/test_processes.py.)"""
 
 from __future__ import annotations
 
@@ -19,22 +21,28 @@ from ddtree.engine import capacity
 
 
 class ServerStub:
-    """What `make_server` returns in these tests: records that the server would have started."""
+    """The launcher in these tests: loads the pair as the engine process does first, then records that the
+    server would have started."""
 
     started = 0
 
-    def __init__(self, *args: object) -> None:
-        pass
+    def __init__(self, settings: object, *args: object) -> None:
+        self.settings = settings
 
-    def run(self) -> None:
+    def run(self) -> int:
+        from ddtree.server.model import ServerSettings, load_model
+
+        assert isinstance(self.settings, ServerSettings)
+        load_model(self.settings)
         ServerStub.started += 1
+        return 0
 
 
 @pytest.fixture(autouse=True)
 def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddtree.server import run
+    from ddtree.server import launch
 
-    monkeypatch.setattr(run, "make_server", ServerStub)
+    monkeypatch.setattr(launch, "Launcher", ServerStub)
     ServerStub.started = 0
 
 

@@ -149,10 +149,10 @@ def test_triton_attention_without_a_gpu_is_a_clear_error(
 def test_serve_hands_its_connection_limits_to_the_server(
     tiny_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ddtree.server import run
+    from ddtree.server import launch
 
     seen: list[Any] = []
-    monkeypatch.setattr(run, "serve", lambda settings, host, port: seen.append(settings))
+    monkeypatch.setattr(launch, "serve", lambda settings, host, port: seen.append(settings) or 0)
     target, drafter = tiny_dirs
     limits = ["--header-timeout", "2.5", "--body-timeout", "7", "--max-connections", "64", "--backlog", "16"]
     limits += ["--keep-alive-timeout", "3", "--max-header-bytes", "4096"]

@@ -1,4 +1,4 @@
-"""`ddtree serve` says on stderr, once the pair is loaded and uvicorn listens, what it serves and where."""
+"""`ddtree serve` says on stderr, once the pair is loaded and its API processes listen, what it serves and where."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.cli.main import main
 from ddtree.runtime import EngineOptions
 from ddtree.server import run
 from ddtree.server.app import create_app
+from ddtree.server.launch import default_api_servers
 from ddtree.server.model import ServerSettings, load_model
+from tests.ddtree.server.support import serve_process
 
 
 def _settings(tiny_dirs: tuple[Path, Path], method: str, budget: int) -> ServerSettings:
@@ -26,15 +27,16 @@ def _settings(tiny_dirs: tuple[Path, Path], method: str, budget: int) -> ServerS
     )
 
 
-def test_the_line_names_model_method_tree_device_dtype_and_url(tiny_dirs: tuple[Path, Path]) -> None:
+def test_the_line_names_model_method_tree_device_dtype_processes_and_url(tiny_dirs: tuple[Path, Path]) -> None:
     served = load_model(_settings(tiny_dirs, "ddtree", 4))
-    assert run.startup_line(served, "http://127.0.0.1:8000") == (
-        "ddtree serve: target, method ddtree, budget 4, cpu, float32, graphs off, "
+    assert run.startup_line(served.card(), "http://127.0.0.1:8000", 1) == (
+        "ddtree serve: target, method ddtree, budget 4, cpu, float32, graphs off, 1 API server process, "
         "at http://127.0.0.1:8000 (OpenAI API under /v1)"
     )
     served = load_model(_settings(tiny_dirs, "ar", 4))
-    assert run.startup_line(served, "http://h:1") == (
-        "ddtree serve: target, method ar, cpu, float32, graphs off, at http://h:1 (OpenAI API under /v1)"
+    assert run.startup_line(served.card(), "http://h:1", 3) == (
+        "ddtree serve: target, method ar, cpu, float32, graphs off, 3 API server processes, at http://h:1 "
+        "(OpenAI API under /v1)"
     )
 
 
@@ -45,27 +47,23 @@ def test_the_url_brackets_an_ipv6_host(tiny_dirs: tuple[Path, Path]) -> None:
     assert run.make_server(app, "0.0.0.0", 9000).url() == "http://0.0.0.0:9000"
 
 
-def test_serve_prints_the_line_with_the_port_bound(
-    tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The real server on port 0, stopped as soon as it has started: the line comes once, after loading,
-    with the port the system picked; servers made outside `serve` (tests, embedders) stay quiet."""
-    started = run.GracefulServer.startup
+@pytest.mark.parametrize(("cores", "count"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)])
+def test_the_default_api_server_count_is_a_quarter_of_the_cores(cores: int, count: int) -> None:
+    assert default_api_servers(cores) == count
 
-    async def start_then_stop(self: run.GracefulServer, sockets: object = None) -> None:
-        await started(self, None)
-        self.should_exit = True
 
-    monkeypatch.setattr(run.GracefulServer, "startup", start_then_stop)
-    target, drafter = tiny_dirs
-    argv = ["serve", "--model", str(target), "--drafter", str(drafter), "--device", "cpu", "--budget", "4"]
-    assert main([*argv, "--port", "0", "--max-model-len", "64"]) == 0
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddtree serve:")]
-    assert len(lines) == 1, lines
-    found = re.fullmatch(
-        r"ddtree serve: target, method ddtree, budget 4, cpu, float32, graphs off, "
-        r"at http://127\.0\.0\.1:(\d+) \(OpenAI API under /v1\)",
-        lines[0],
-    )
-    assert found and int(found[1]) > 0, lines[0]
-    assert run.make_server(create_app(_settings(tiny_dirs, "ar", 4)), "127.0.0.1", 0).announce is False
+def test_serve_prints_the_line_with_the_port_bound(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """The real server on port 0: the line comes once, after loading and once every API process listens, with
+    the port the system picked and the API processes it chose."""
+    flags = ("--device", "cpu", "--budget", "4", "--max-model-len", "64")
+    with serve_process(tiny_dirs, tmp_path / "serve.log", *flags) as server:
+        lines = [line for line in server.text().splitlines() if line.startswith("ddtree serve:")]
+        assert len(lines) == 1, lines
+        found = re.fullmatch(
+            r"ddtree serve: target, method ddtree, budget 4, cpu, float64, graphs off, (\d+) API server process(es)?, "
+            r"at http://127\.0\.0\.1:(\d+) \(OpenAI API under /v1\)",
+            lines[0],
+        )
+        assert found and int(found[3]) > 0, lines[0]
+        assert int(found[1]) == default_api_servers()
+        assert len(server.processes()) == 1 + default_api_servers()  # the engine's and the API processes

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, cast
 
+import psutil
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -72,3 +80,73 @@ def live_server(app: FastAPI) -> Iterator[tuple[str, GracefulServer, threading.T
         thread.join(30)
         sock.close()
         assert not thread.is_alive(), "uvicorn did not stop"
+
+
+ROOT = Path(__file__).resolve().parents[3]
+STARTUP = re.compile(r"^ddtree serve: .* at http://127\.0\.0\.1:(\d+) \(OpenAI API under /v1\)$", re.M)
+
+
+@dataclass
+class ServeProcess:
+    """`ddtree serve` run as users run it: its process, URL and log."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def processes(self, workers_only: bool = True) -> list[psutil.Process]:
+        """The launcher's children, oldest first: the engine process and the API processes (and, unless
+        `workers_only`, multiprocessing's resource tracker)."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        if workers_only:
+            children = [c for c in children if "spawn_main" in " ".join(_cmdline(c))]
+        return sorted(children, key=lambda c: c.create_time())
+
+
+@contextmanager
+def serve_process(
+    tiny_dirs: tuple[Path, Path], log: Path, *flags: str, timeout: float = 90.0
+) -> Iterator[ServeProcess]:
+    """`ddtree serve` on the tiny pair in float64 on a free port (`--port 0`; the start-up line says which),
+    up once the line is out; SIGTERM at the end (killed, and its children, if it is still there)."""
+    target, drafter = tiny_dirs
+    argv = [sys.executable, "-m", "ddtree.cli", "serve", "--model", str(target), "--drafter", str(drafter)]
+    argv += ["--port", "0", "--dtype", "float64", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = ServeProcess(proc, "", log)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while (found := STARTUP.search(server.text())) is None:
+            assert proc.poll() is None, server.text()
+            assert time.monotonic() < deadline, f"no start-up line within {timeout} s:\n{server.text()}"
+            time.sleep(0.1)
+        server.url = f"http://127.0.0.1:{found[1]}"
+        children = server.processes(workers_only=False)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for child in children:  # nothing left behind, whatever the test did
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return list(process.cmdline())
+    except psutil.Error:
+        return []

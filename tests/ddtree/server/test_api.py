@@ -241,3 +241,20 @@ def test_health_is_503_and_requests_fail_once_the_loop_has_stopped(
     assert client.get("/health").status_code == 503
     refused = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8})
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_gathers_tokens_per_chunk(make_client: MakeClient, interval: int) -> None:
+    """`--stream-interval N`: every chunk but the last carries N tokens or more (a step's tokens are not split:
+    1 keeps a chunk per step), and the text is the same."""
+    request: dict[str, Any] = {"prompt": "gather me", "max_tokens": 30, "temperature": 0, "logprobs": 0}
+    with make_client(stream_interval=interval) as client:
+        whole = client.post("/v1/completions", json=request).json()
+        chunks = events(client.post("/v1/completions", json={**request, "stream": True}))[:-1]
+    counts = [len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]]
+    assert sum(counts) == whole["usage"]["completion_tokens"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    if interval == 1:
+        assert len(counts) == whole["ddtree"]["steps"] + 1  # the prefill's token, then each step's
+    else:
+        assert all(n >= interval for n in counts[:-1]) and len(counts) <= -(-sum(counts) // interval) + 1

@@ -64,7 +64,7 @@ def test_requests_under_a_schedule_get_what_they_get_alone(
 
 
 def test_the_startup_line_lists_the_schedule(auto_served: ServedModel) -> None:
-    line = startup_line(auto_served, "http://127.0.0.1:1")
+    line = startup_line(auto_served.card(), "http://127.0.0.1:1", 1)
     assert "budget auto (1 rows: ddtree B=12, 2 rows: ar, 3 rows: ddtree B=3 k=2)" in line
 
 

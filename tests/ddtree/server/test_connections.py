@@ -199,7 +199,7 @@ import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, ({fds}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from ddtree.runtime import EngineOptions
 from ddtree.server.model import ServerSettings
-from ddtree.server.run import serve
+from ddtree.server.launch import serve
 settings = ServerSettings(model={model!r}, drafter={drafter!r}, budget={budget}, max_model_len={length},
                           options=EngineOptions(dtype="float64"), header_timeout=30)
 serve(settings, "127.0.0.1", {port})
