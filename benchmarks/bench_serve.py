@@ -5,8 +5,10 @@
     python benchmarks/bench_serve.py --spawn MODEL DRAFTER --serve "ar=--method ar" --serve "B=16=--budget 16" \
         --serve "auto=--budget auto" --clients 1,4,16,64 --requests-per-client 4 --max-tokens 128 --out serve.json
 
-`--clients` threads share `--requests` streamed `/v1/completions` requests (temperature 0 unless told, prompts
-cycling through a fixed set). Reported: requests/s and output tokens/s over the wall time, TTFT (request
+`--clients` asyncio clients share `--requests` streamed `/v1/completions` requests (temperature 0 unless told,
+prompts cycling through a fixed set); `--processes N` spreads them over N load processes, so that the load
+generator is not what caps the server (its own ceiling: `benchmarks/stub_server.py`, a server that streams at
+once, and the README's numbers). Reported: requests/s and output tokens/s over the wall time, TTFT (request
 sent to first text chunk), ITL (gaps between text chunks; a ddtree step can carry several tokens in one
 chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)), as p50/p99. Tokens are the server's `usage`.
 `--spawn` starts `ddtree serve` itself for each `--method` or `--serve LABEL=ARGS` (on a free port), waits
@@ -19,9 +21,11 @@ line gives its tokens/s over the first server's (`vs`), and the budgets its step
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import shlex
@@ -29,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +61,7 @@ class Sample:
     budgets: list[int] = field(default_factory=list)  # each step's budget, from the `ddtree` block
 
 
-def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Namespace) -> Sample:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace) -> Sample:
     body = {
         "prompt": prompt,
         "max_tokens": args.max_tokens,
@@ -72,9 +75,9 @@ def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Name
     times: list[float] = []
     tokens = 0
     budgets: list[int] = []
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
+        async for line in response.aiter_lines():
             data = line.removeprefix("data: ")
             if not line or data == "[DONE]":
                 continue
@@ -97,35 +100,62 @@ def one_request(client: httpx.Client, url: str, prompt: str, args: argparse.Name
     return sample
 
 
-def run_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _clients(url: str, args: argparse.Namespace, first: int) -> tuple[list[Sample], list[str], float, float]:
+    """`args.clients` asyncio clients sharing `args.requests` requests (numbered from `first`, which picks the
+    prompts): the samples, the errors, and the perf_counter times of the start and the end."""
     samples: list[Sample] = []
     errors: list[str] = []
-    lock = threading.Lock()
-    counter = iter(range(args.requests))
+    counter = iter(range(first, first + args.requests))
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
 
-    def client_loop() -> None:
-        with httpx.Client(timeout=args.timeout) as client:
-            while True:
-                with lock:
-                    index = next(counter, None)
-                if index is None:
-                    return
-                try:
-                    sample = one_request(client, url, PROMPTS[index % len(PROMPTS)], args)
-                except Exception as exc:
-                    with lock:
-                        errors.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                with lock:
-                    samples.append(sample)
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for index in counter:
+            try:
+                samples.append(await one_request(client, url, PROMPTS[index % len(PROMPTS)], args))
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+        ended = time.perf_counter()
+    return samples, errors, started, ended
+
+
+def _process_load(url: str, args: argparse.Namespace, first: int, go: Any, results: Any) -> None:
+    """One load process: wait for the others, run its clients, send back what it saw."""
+    go.wait()
+    results.put(asyncio.run(_clients(url, args, first)))
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def run_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The load: in this process, or split over `args.processes` processes (clients and requests shared out
+    evenly, started together; the wall time runs from the first start to the last end)."""
+    processes = max(1, min(args.processes, args.clients))
+    if processes == 1:
+        samples, errors, started, ended = asyncio.run(_clients(url, args, 0))
+    else:
+        context = multiprocessing.get_context("fork")
+        go, results = context.Event(), context.Queue()
+        workers, first = [], 0
+        for clients, requests in zip(_shares(args.clients, processes), _shares(args.requests, processes), strict=True):
+            share = argparse.Namespace(**{**vars(args), "clients": clients, "requests": requests})
+            workers.append(context.Process(target=_process_load, args=(url, share, first, go, results)))
+            first += requests
+        for worker in workers:
+            worker.start()
+        go.set()
+        parts = [results.get() for _ in workers]
+        for worker in workers:
+            worker.join()
+        samples = [s for part in parts for s in part[0]]
+        errors = [e for part in parts for e in part[1]]
+        started, ended = min(p[2] for p in parts), max(p[3] for p in parts)
+    wall = ended - started
     if errors:
         print(f"  {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
     tokens = sum(s.tokens for s in samples)
@@ -246,6 +276,9 @@ def main() -> int:
     )
     parser.add_argument("--clients", type=_counts, default=[8], help="concurrent clients; a list: loads in turn")
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="load processes the clients are spread over (asyncio in each)"
+    )
     parser.add_argument("--requests-per-client", type=int, default=None, help="requests = clients x this")
     parser.add_argument("--out", default=None, help="write every load's figures here as JSON")
     parser.add_argument("--max-tokens", type=int, default=32)

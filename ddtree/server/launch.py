@@ -89,6 +89,7 @@ class Launcher:
         self.apis: list[SpawnProcess | None] = [None] * self.count
         self.ready: list[Event | None] = [None] * self.count  # kept while its process may read it
         self.card: ModelCard | None = None
+        self.held: list[zmq.Socket[Any]] = []  # sockets with a message on its way: one closed drops it
         self._signalled = False
 
     def run(self) -> int:
@@ -165,6 +166,7 @@ class Launcher:
                     to_api = tp.push(zctx, self.plan.api_inbox(index))
                     to_api.setsockopt(zmq.LINGER, 1000)
                     tp.try_send(to_api, tp.EngineDead("the engine process died"))
+                    self.held.append(to_api)
                 return 1
             for index, process in enumerate(self.apis):
                 if process is not None and not process.is_alive():
@@ -188,7 +190,8 @@ class Launcher:
         _join_or_kill(apis, self.settings.shutdown_timeout + 5.0)
         if self.engine is not None:
             if self.engine.is_alive():
-                tp.try_send(tp.push(zctx, self.plan.engine_inbox), tp.Stop())
+                to_engine = tp.push(zctx, self.plan.engine_inbox)  # held: a socket closed at once drops it
+                tp.try_send(to_engine, tp.Stop())
             _join_or_kill([self.engine], ENGINE_STOP_S)
         zctx.destroy()  # each socket's own linger
         shutil.rmtree(self.directory, ignore_errors=True)
