@@ -34,7 +34,6 @@ from ddtree.server.app import ServerState
 from ddtree.server.card import ModelCard
 from ddtree.server.connections import ConnectionLimits, connection_budget, fd_limit, guarded_protocol
 from ddtree.server.logs import guard_logs
-from ddtree.server.model import ServerSettings
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
