@@ -1,19 +1,20 @@
-"""Running the app under uvicorn with a graceful shutdown (what `ddtree serve` calls).
+"""Running the app under uvicorn with a graceful shutdown (what each API process of `ddtree serve` runs).
 
 On SIGTERM or SIGINT the app starts draining (new `/v1/*` requests get 503, `/health` 503), uvicorn stops
 listening, closes idle connections and waits up to `shutdown_timeout` seconds for the requests in flight
-(streams included) to finish, cancels what is left, then runs the lifespan's end, which stops the decode
-thread. `serve` then returns normally: the process exits 0. (Plain uvicorn re-raises the signal once it is
-done, which kills the process with it; a second SIGINT still forces an immediate exit.) Requests still
-unfinished when the timeout runs out are answered 503 (`ddtree.server.faults`).
+(streams included) to finish, cancels what is left, then runs the lifespan's end, which closes the engine
+link. The process then ends normally (exit 0), and the launcher stops the engine once every API process has
+(`ddtree.server.launch`). (Plain uvicorn re-raises the signal once it is done, which kills the process with
+it; a second SIGINT still forces an immediate exit.) Requests still unfinished when the timeout runs out are
+answered 503 (`ddtree.server.faults`).
 
 Connections: uvicorn's own settings where it has them (`timeout_keep_alive`, `h11_max_incomplete_event_size`,
 `backlog`, from `ServerSettings`), and the h11 protocol of `ddtree.server.connections` for the head timeout
 and the connection cap, which uvicorn has not. Log lines that repeat (asyncio's, uvicorn's, ours) are let
 through once a minute (`ddtree.server.logs`).
 
-Start-up: once the pair is loaded and uvicorn listens, `serve` prints one line on stderr saying what is served
-where (`startup_line`), with the port bound (`--port 0` picks one).
+Start-up: once the engine has loaded the pair and every API process listens, the launcher prints one line on
+stderr saying what is served where (`startup_line`), with the port bound (`--port 0` picks one).
 """
 
 from __future__ import annotations
