@@ -62,20 +62,24 @@ class Sample:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace) -> Sample:
-    body = {
-        "prompt": prompt,
+    body: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    endpoint = "chat/completions" if args.heldout else "completions"
+    if args.heldout:  # as `ddtree bench` encodes them: the chat template, the assistant's turn opened
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     if args.model_name:
         body["model"] = args.model_name
     sent = time.perf_counter()
     times: list[float] = []
     tokens = 0
     budgets: list[int] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             data = line.removeprefix("data: ")
@@ -84,7 +88,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: ar
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if any(c.get("text") for c in chunk.get("choices", [])):
+            if any(c.get("text") or c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                 times.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
@@ -106,12 +110,13 @@ async def _clients(url: str, args: argparse.Namespace, first: int) -> tuple[list
     samples: list[Sample] = []
     errors: list[str] = []
     counter = iter(range(first, first + args.requests))
+    prompts = _prompts(args)
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for index in counter:
             try:
-                samples.append(await one_request(client, url, PROMPTS[index % len(PROMPTS)], args))
+                samples.append(await one_request(client, url, prompts[index % len(prompts)], args))
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -126,6 +131,14 @@ def _process_load(url: str, args: argparse.Namespace, first: int, go: Any, resul
     """One load process: wait for the others, run its clients, send back what it saw."""
     go.wait()
     results.put(asyncio.run(_clients(url, args, first)))
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if not args.heldout:
+        return PROMPTS
+    from ddtree.data import heldout_prompts
+
+    return heldout_prompts()
 
 
 def _shares(total: int, parts: int) -> list[int]:
@@ -282,6 +295,11 @@ def main() -> int:
     parser.add_argument("--requests-per-client", type=int, default=None, help="requests = clients x this")
     parser.add_argument("--out", default=None, help="write every load's figures here as JSON")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="chat requests with the held-out prompts, as `ddtree bench` sends them (default: a few completions)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model-name", default=None, help="the request's `model` (default: none)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")

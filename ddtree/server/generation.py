@@ -1,7 +1,8 @@
-"""One request on the handler's side: submit a job to the decode thread and turn its updates into text.
+"""One request on the handler's side: submit a job to the engine and turn its updates into text.
 
-The decode thread posts `Update`s to an asyncio queue of the request's own through
-`loop.call_soon_threadsafe`; the handler awaits them and never blocks the thread. A stop string that
+The engine's updates reach an asyncio queue of the request's own: from the engine client's reader task (an
+engine in another process) directly, from a decode thread in this process through
+`loop.call_soon_threadsafe`; the handler awaits them and never blocks the engine. A stop string that
 matches, a client that went away, or a handler that ends for any other reason cancels the job (`close`),
 which frees its slot at the next step boundary. Each update taken is metered (`ddtree.server.metrics`): the
 first token, the tokens and the steps' acceptance lengths and budgets, on the event loop.
@@ -10,6 +11,7 @@ first token, the tokens and the steps' acceptance lengths and budgets, on the ev
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -37,6 +39,7 @@ class Generation:
         self, worker: EngineLink, request: Request, text: TextStream, meter: RequestMeter, stream_interval: int = 1
     ) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._interval = stream_interval  # tokens gathered per piece of text (the last piece may have fewer)
         self._updates: asyncio.Queue[Update] = asyncio.Queue()
         self._worker = worker
@@ -104,8 +107,12 @@ class Generation:
         self._worker.cancel(self.job, self.finish_reason or "cancelled")
 
     def _post(self, update: Update) -> None:
-        """On the decode thread: hand the update to the event loop; never waits."""
-        self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
+        """Hand the update to the handler; never waits. From a decode thread in this process, through the
+        event loop's thread-safe call; from the engine client's reader, already on the loop, directly."""
+        if threading.get_ident() == self._loop_thread:
+            self._updates.put_nowait(update)
+        else:
+            self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
 
     async def _next_update(self) -> Update:
         update = await self._updates.get()
