@@ -236,7 +236,7 @@ def api_main(
     model = ApiModel(card, load_tokenizer(card.model_dir))
     client = EngineClient(plan, index)
     app = api_app(settings, model, client, multiprocess_dir=os.environ.get(MULTIPROC_ENV))
-    server = make_server(app, host, int(sock.getsockname()[1]), log_level="warning", processes=plan.api_count)
+    server = make_server(app, host, int(sock.getsockname()[1]), processes=plan.api_count)
     server.on_started = ready.set
 
     def parent_gone() -> None:

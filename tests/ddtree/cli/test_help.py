@@ -95,10 +95,10 @@ def test_help_never_shows_the_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_server_still_takes_its_key_from_the_environment(
     tiny_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ddtree.server import run
+    from ddtree.server import launch
 
     seen: list[Any] = []
-    monkeypatch.setattr(run, "serve", lambda settings, host, port: seen.append(settings))
+    monkeypatch.setattr(launch, "serve", lambda settings, host, port: seen.append(settings) or 0)
     monkeypatch.setenv("DDTREE_API_KEY", "from-env")
     pair = ["--model", str(tiny_dirs[0]), "--drafter", str(tiny_dirs[1]), "--device", "cpu"]
     assert main(["serve", *pair]) == 0
