@@ -68,8 +68,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: ar
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    endpoint = "chat/completions" if args.heldout else "completions"
-    if args.heldout:  # as `ddtree bench` encodes them: the chat template, the assistant's turn opened
+    endpoint = "chat/completions" if args.chat else "completions"
+    if args.chat:  # as `ddtree bench` encodes prompts: the chat template, the assistant's turn opened
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
@@ -296,9 +296,12 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write every load's figures here as JSON")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
-        "--heldout",
+        "--heldout", action="store_true", help="the held-out prompts, which `ddtree bench` runs (default: a few)"
+    )
+    parser.add_argument(
+        "--chat",
         action="store_true",
-        help="chat requests with the held-out prompts, as `ddtree bench` sends them (default: a few completions)",
+        help="chat requests (the template, as `ddtree bench` applies it where there is one)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model-name", default=None, help="the request's `model` (default: none)")

@@ -15,7 +15,7 @@
 # hybrid-tests runs the hybrid tests on the GPU (needs pytest and hypothesis).
 # served: the server against the engine in the same slots (1, 4, 16, 64), on the held-out prompts: `bench
 # --continuous` for ar, B=16 and auto, then `ddtree serve` for each under as many streaming clients
-# (bench_serve.py --heldout over LOAD_PROCESSES load processes, default 4), then the load generator's ceiling
+# (bench_serve.py --heldout --chat over LOAD_PROCESSES load processes, default 4), then the load generator's ceiling
 # against stub_server.py. SCHEDULE names the schedule auto follows (default WORK/schedule.json).
 set -euo pipefail
 PY=${PYTHON:-python3}
@@ -80,7 +80,7 @@ if has served; then
     --batch-sizes 1,4,16,64 --continuous --num-prompts 64 --max-new-tokens 128 --budget-schedule "$sched" \
     --out "$work/engine-rows.json"
   $PY benchmarks/bench_serve.py --spawn "$target" "$drafter" --serve "ar=--method ar" --serve "B=16=--budget 16" \
-    --serve "auto=--budget-schedule $sched" --clients 1,4,16,64 --requests 64 --max-tokens 128 --heldout \
+    --serve "auto=--budget-schedule $sched" --clients 1,4,16,64 --requests 64 --max-tokens 128 --heldout --chat \
     --processes "${LOAD_PROCESSES:-4}" --serve-arg=--dtype --serve-arg=bfloat16 --log-dir "$work" --out "$work/served.json"
   $PY benchmarks/stub_server.py --port 8399 --processes 4 & stub=$!
   sleep 2
