@@ -13,6 +13,7 @@ The process ends on `Stop`, on SIGTERM, or when the launcher is gone; it never r
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,9 +23,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from ddtree.errors import UserError
+from ddtree.models.pair import resolve_device
 from ddtree.server import transport as tp
 from ddtree.server.model import ServedModel, ServerSettings, load_model
 from ddtree.server.worker import (
@@ -196,9 +199,19 @@ def _out(entry: _Entry, update: Update) -> tp.Out:
     )
 
 
+def _share_cores(settings: ServerSettings, plan: tp.Plan) -> None:
+    """On the CPU, torch's threads leave a core to each API process (unless OMP_NUM_THREADS says otherwise):
+    threads that spin waiting for a core that an API process holds slow every step several times over."""
+    if os.environ.get("OMP_NUM_THREADS") or resolve_device(settings.options.device).type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores - plan.api_count))
+
+
 def engine_main(settings: ServerSettings, plan: tp.Plan, ready: Connection) -> None:
     """The engine process: load the pair, warm up, say `ready` (with the model's card) or why not, then serve."""
     logging.basicConfig(level=logging.INFO, format="ddtree engine: %(message)s")
+    _share_cores(settings, plan)
     try:
         served = load_model(settings)
         core = EngineCore(served, settings, plan)
