@@ -111,16 +111,16 @@ class ServeProcess:
 
 @contextmanager
 def serve_process(
-    tiny_dirs: tuple[Path, Path], log: Path, *flags: str, timeout: float = 90.0
+    tiny_dirs: tuple[Path, Path], log: Path, *flags: str, timeout: float = 90.0, env: dict[str, str] | None = None
 ) -> Iterator[ServeProcess]:
     """`ddtree serve` on the tiny pair in float64 on a free port (`--port 0`; the start-up line says which),
     up once the line is out; SIGTERM at the end (killed, and its children, if it is still there)."""
     target, drafter = tiny_dirs
     argv = [sys.executable, "-m", "ddtree.cli", "serve", "--model", str(target), "--drafter", str(drafter)]
     argv += ["--port", "0", "--dtype", "float64", *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=environ)
     server = ServeProcess(proc, "", log)
     children: list[psutil.Process] = []
     try:

@@ -163,3 +163,37 @@ def test_an_engine_that_cannot_load_the_pair_is_one_line_and_exit_2(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddtree: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "tokenizer.json" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_debug_metrics_come_from_the_engine_process_through_every_api_process(
+    tiny_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`DDTREE_DEBUG_METRICS=1`: telemetry runs in the engine process; its step log lists each request under
+    the response's id, and its Prometheus metrics come through any API process's `/metrics`."""
+    steps_log = tmp_path / "steps.jsonl"
+    env = {
+        "DDTREE_DEBUG_METRICS": "1",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "prometheus",
+        "DDTREE_LOG_FILE": str(steps_log),
+        "DDTREE_NVML_INTERVAL_MS": "0",
+    }
+    flags = (*FLAGS, "--api-server-count", "2")
+    served_tokens: dict[str, int] = {}
+    with serve_process(tiny_dirs, tmp_path / "serve.log", *flags, env=env) as server:
+        for prompt, tokens in (("abc", 12), ("hello there", 20), ("x", 7)):
+            body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            served_tokens[reply["id"]] = reply["usage"]["completion_tokens"]
+        emitted = 0.0
+
+        def caught_up() -> bool:  # the exporter gets steps in groups, within about a second
+            nonlocal emitted
+            emitted = _total(_metrics(server.url), sc.PROM_EMITTED_TOKENS_TOTAL)
+            return emitted == sum(served_tokens.values())
+
+        wait_until(caught_up, timeout=15)
+    assert server.proc.returncode == 0
+    lines = [json.loads(line) for line in steps_log.read_text().splitlines() if line.strip()]
+    requests = {line[sc.FIELD_REQUEST_ID]: line for line in lines if line["event"] == sc.EVENT_REQUEST}
+    assert {rid: r[sc.FIELD_OUTPUT_TOKENS] for rid, r in requests.items()} == served_tokens
