@@ -13,10 +13,11 @@
 # in 1, 4, 16 and 64 slots; serve loads `ddtree serve` with as many streaming clients (needs fastapi, uvicorn,
 # httpx). hybrid times a random Qwen3.5-style target at a real shape (benchmarks/hybrid_step.py; needs no GGUF);
 # hybrid-tests runs the hybrid tests on the GPU (needs pytest and hypothesis).
-# served: the server against the engine in the same slots (1, 4, 16, 64), on the held-out prompts: `bench
-# --continuous` for ar, B=16 and auto, then `ddtree serve` for each under as many streaming clients
-# (bench_serve.py --heldout --chat over LOAD_PROCESSES load processes, default 4), then the load generator's ceiling
-# against stub_server.py. SCHEDULE names the schedule auto follows (default WORK/schedule.json).
+# served-engine and served: the server against the engine in the same slots (1, 4, 16, 64), on the held-out
+# prompts: `bench --continuous` for ar, B=16 and auto (served-engine), then `ddtree serve` for each under as many
+# streaming clients (bench_serve.py --heldout --chat over LOAD_PROCESSES load processes, default 4) and the load
+# generator's ceiling against stub_server.py (served). SCHEDULE names the schedule auto follows (default
+# WORK/schedule.json).
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -74,11 +75,13 @@ if has serve; then
     --clients 1,4,16,64 --requests-per-client 4 --max-tokens 128 --serve-arg=--dtype --serve-arg=bfloat16 \
     --log-dir "$work" --out "$work/serve.json"
 fi
-if has served; then
-  sched=${SCHEDULE:-$work/schedule.json}
+sched=${SCHEDULE:-$work/schedule.json}
+if has served-engine; then
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree --budgets 16 \
     --batch-sizes 1,4,16,64 --continuous --num-prompts 64 --max-new-tokens 128 --budget-schedule "$sched" \
     --out "$work/engine-rows.json"
+fi
+if has served; then
   $PY benchmarks/bench_serve.py --spawn "$target" "$drafter" --serve "ar=--method ar" --serve "B=16=--budget 16" \
     --serve "auto=--budget-schedule $sched" --clients 1,4,16,64 --requests 64 --max-tokens 128 --heldout --chat \
     --processes "${LOAD_PROCESSES:-4}" --serve-arg=--dtype --serve-arg=bfloat16 --log-dir "$work" --out "$work/served.json"
