@@ -113,6 +113,7 @@ class Speculation:
     def __init__(self, registry: CollectorRegistry, model: str, method: str) -> None:
         labels = [sc.LABEL_METHOD, sc.LABEL_MODEL]
         self.key = (method, model)
+        self._children: dict[tuple[int, int], Counter] = {}
         self.drafts = Counter(
             sc.PROM_SPEC_DRAFTS_TOTAL,
             "Drafts verified: one per request per decode step, by the step's budget (0: an ar step)",
@@ -143,14 +144,25 @@ class Speculation:
         """One update's steps: their acceptance lengths and budgets (draft nodes), one entry per step."""
         if len(lengths) != len(budgets):
             raise ValueError(f"{len(lengths)} acceptance lengths but {len(budgets)} budgets")
-        for budget, count in collections.Counter(budgets).items():
-            self.drafts.labels(*self.key, str(budget)).inc(count)
+        if len(budgets) == 1:  # one step an update, as a request takes them under load: no tally to make
+            self._child(self.drafts, budgets[0]).inc()
+        else:
+            for budget, count in collections.Counter(budgets).items():
+                self._child(self.drafts, budget).inc(count)
         accepted = [length - 1 for length in lengths]
         self.draft_tokens.inc(sum(budgets))
         self.accepted.inc(sum(accepted))
         for position in range(1, max(accepted, default=0) + 1):
             reached = sum(1 for n in accepted if n >= position)
-            self.per_position.labels(*self.key, str(position)).inc(reached)
+            self._child(self.per_position, position).inc(reached)
+
+    def _child(self, family: Counter, value: int) -> Counter:
+        """`family`'s counter for this model and method and `value` (a budget or a position), looked up once."""
+        key = (id(family), value)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*self.key, str(value))
+        return child
 
     def request_done(self, lengths: list[int]) -> None:
         if lengths:
@@ -282,6 +294,7 @@ class RequestMeter:
         self.arrived = arrived
         self.first_token_at: float | None = None
         self.ended = False
+        self._generation_tokens = metrics.generation_tokens.labels(*self.labels)
 
     def first_token(self, prompt_tokens: int) -> None:
         """The prefill's token reached the handler."""
@@ -292,7 +305,7 @@ class RequestMeter:
     def took(self, tokens: int, lengths: list[int], budgets: list[int]) -> None:
         """An update: `tokens` more completion tokens, and its steps' acceptance lengths and budgets."""
         if tokens:
-            self.metrics.generation_tokens.labels(*self.labels).inc(tokens)
+            self._generation_tokens.inc(tokens)
         if lengths:
             self.metrics.speculation.steps(lengths, budgets)
 
