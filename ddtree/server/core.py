@@ -3,7 +3,8 @@ talks to the API server processes in typed messages (`ddtree.server.transport`).
 
 Two threads, each with sockets of its own (ZMQ sockets are not shared between threads):
 - the main thread reads the inbox: it submits and cancels jobs, answers a full queue with `Rejected`, and sends
-  every API process a `Status` when what it reads changed the queue (and one each `STATUS_EVERY` seconds);
+  every API process a `Status` when what it reads changed the queue (at most each `STATUS_AFTER_CHANGE`
+  seconds, and once each `STATUS_EVERY` seconds in any case);
 - the decode thread (`DecodeWorker`) steps; each request's update of a round is kept, and once the round is
   delivered (`DecodeWorker.delivered`) it goes out as one `Outputs` message per API process.
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100  # the inbox is read at least this often: signals and a gone launcher are noticed
 STATUS_EVERY = 1.0  # seconds between status messages while nothing else is sent
+STATUS_AFTER_CHANGE = 0.05  # at most this often for a change of queue (every step's outputs carry it too)
 
 
 @dataclass
@@ -92,7 +94,8 @@ class EngineCore:
                     while (data := self._receive()) is not None:
                         changed = self._handle(data) or changed
                 now = time.monotonic()
-                if changed or now - last_status >= STATUS_EVERY:
+                since = now - last_status
+                if (changed and since >= STATUS_AFTER_CHANGE) or since >= STATUS_EVERY:
                     self._broadcast(self.status())
                     last_status = now
         finally:
