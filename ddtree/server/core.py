@@ -86,10 +86,9 @@ class EngineCore:
 
     def run(self) -> None:
         """Read the inbox until `Stop`, a signal or a gone launcher; then stop the decode thread."""
-        last_status = 0.0
+        last_status, changed = 0.0, False
         try:
             while not self._stop.is_set() and not tp.parent_gone(self.plan):
-                changed = False
                 if self._inbox.poll(POLL_MS):
                     while (data := self._receive()) is not None:
                         changed = self._handle(data) or changed
@@ -97,7 +96,7 @@ class EngineCore:
                 since = now - last_status
                 if (changed and since >= STATUS_AFTER_CHANGE) or since >= STATUS_EVERY:
                     self._broadcast(self.status())
-                    last_status = now
+                    last_status, changed = now, False
         finally:
             self.worker.stop()
             self.served.telemetry.shutdown()
