@@ -72,6 +72,7 @@ class EngineCore:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._lock = threading.Lock()
         self._round: list[tuple[_Entry, Update]] = []  # the decode thread's: this round's updates
+        self._told = (0, 0)  # the decode thread's: (waiting, running) as its last round told every API process
         self.dropped = 0  # messages an API process could not take
         self._stop = threading.Event()
 
@@ -170,9 +171,8 @@ class EngineCore:
             self._round.append((entry, update))
 
     def _flush(self) -> None:
-        """The round's updates, one message per API process."""
-        if not self._round:
-            return
+        """The round's updates, one message per API process; the others hear the engine's state where the
+        round changed it (a join, a leave), so that any API process's `/metrics` is current."""
         by_api: dict[int, list[tp.Out]] = defaultdict(list)
         for entry, update in self._round:
             by_api[entry.api].append(_out(entry, update))
@@ -180,6 +180,11 @@ class EngineCore:
         status = self.status()
         for api, outs in by_api.items():
             self._send(self._out, api, tp.Outputs(outs, status))
+        if (status.waiting, status.running) != self._told:
+            self._told = (status.waiting, status.running)
+            for api in range(self.plan.api_count):
+                if api not in by_api:
+                    self._send(self._out, api, status)
 
 
 def _out(entry: _Entry, update: Update) -> tp.Out:

@@ -94,8 +94,9 @@ def test_metrics_sum_every_api_process_at_once(two_apis: ServeProcess) -> None:
 
 def test_a_client_gone_frees_its_slot(two_apis: ServeProcess) -> None:
     with httpx.stream("POST", f"{two_apis.url}/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
-        assert _metrics(two_apis.url)[(sc.PROM_RUNNING_REQUESTS, ())] == 1
+        lines = r.iter_lines()  # held: an iterator dropped here would close the stream
+        next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: _metrics(two_apis.url)[(sc.PROM_RUNNING_REQUESTS, ())] == 1, timeout=5)
     wait_until(lambda: _metrics(two_apis.url)[(sc.PROM_RUNNING_REQUESTS, ())] == 0, timeout=5)
 
 
