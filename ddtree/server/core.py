@@ -102,6 +102,8 @@ class EngineCore:
             self.worker.stop()
             self.served.telemetry.shutdown()
             self._context.destroy(linger=0)
+            if self.dropped:
+                log.warning("%d messages to API processes that had gone were dropped", self.dropped)
 
     def stop(self) -> None:
         self._stop.set()
