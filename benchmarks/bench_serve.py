@@ -330,6 +330,8 @@ def main() -> int:
             for load, base in zip(loads, first, strict=True):
                 results.append({"server": label, **load})
                 report(label, load, base if first is not loads else None)
+            if args.out:  # after each server: what was measured survives a run cut short
+                Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
