@@ -65,15 +65,14 @@ def check_settings(settings: ServerSettings) -> None:
         raise UserError(f"--budget auto chooses ddtree trees; it needs --method ddtree, not {settings.method}")
     if settings.budget_schedule is not None:
         load_schedule(settings.budget_schedule)  # it exists and parses
-    counts = {
-        "--max-batch-size": settings.max_batch_size,
-        "--max-queue": settings.max_queue,
-        "--api-server-count": settings.api_server_count,
-        "--stream-interval": settings.stream_interval,
-    }
-    for flag, value in counts.items():
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    _check_counts(
+        {
+            "--max-batch-size": settings.max_batch_size,
+            "--max-queue": settings.max_queue,
+            "--api-server-count": settings.api_server_count,
+            "--stream-interval": settings.stream_interval,
+        }
+    )
     if settings.max_model_len is not None and settings.max_model_len < 2:
         raise UserError(f"--max-model-len must be >= 2, got {settings.max_model_len}")
     if settings.max_body_bytes < 1:
@@ -88,19 +87,25 @@ def check_settings(settings: ServerSettings) -> None:
         raise UserError(f"--served-model-name must be a non-empty name without surrounding spaces, got {name!r}")
 
 
+def _check_counts(counts: dict[str, int | None]) -> None:
+    """Each flag's count, where given, is at least 1."""
+    for flag, value in counts.items():
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+
+
 def _check_connections(settings: ServerSettings) -> None:
     for flag, seconds in (("--header-timeout", settings.header_timeout), ("--body-timeout", settings.body_timeout)):
         if not 0 < seconds < float("inf"):
             raise UserError(f"{flag} must be > 0 seconds, got {seconds}")
-    counts = {
-        "--max-connections": settings.max_connections,
-        "--keep-alive-timeout": settings.keep_alive_timeout,
-        "--max-header-bytes": settings.max_header_bytes,
-        "--backlog": settings.backlog,
-    }
-    for flag, value in counts.items():
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    _check_counts(
+        {
+            "--max-connections": settings.max_connections,
+            "--keep-alive-timeout": settings.keep_alive_timeout,
+            "--max-header-bytes": settings.max_header_bytes,
+            "--backlog": settings.backlog,
+        }
+    )
     fds = fd_limit()
     connections, backlog = connection_budget(settings.max_connections, settings.backlog, fds)
     needed = descriptors_needed(connections, backlog)

@@ -134,15 +134,20 @@ def serve_process(
         yield server
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, 60)
         for child in children:  # nothing left behind, whatever the test did
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """SIGTERM, as an operator stops a server; killed if it has not ended within `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def _cmdline(process: psutil.Process) -> list[str]:

@@ -3,7 +3,6 @@ timeouts, the connection cap makes room for new clients, and running out of desc
 
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from ddtree.server.connections import (
 from ddtree.server.model import ServedModel, check_settings
 from ddtree.server.run import GracefulServer, make_server
 from tests.ddtree.server.conftest import BUDGET, MAX_MODEL_LEN, settings_for
-from tests.ddtree.server.support import free_port, live_server, wait_until
+from tests.ddtree.server.support import free_port, live_server, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 1.0  # the head and body timeouts of these servers
@@ -221,12 +220,7 @@ def _serving(tiny_dirs: tuple[Path, Path], fds: int, log: Path) -> Iterator[str]
             assert proc.poll() is None, log.read_text()
             yield url
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc)
 
 
 def _healthy(url: str) -> bool:
