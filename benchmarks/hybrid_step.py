@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter, drafter_config
 from ddtree.models.hybrid import make_target
 from ddtree.models.target import Target
+from ddtree.settings import GenerationConfig
 
 RUNS = (("ar", 0), ("dflash", 0), ("ddtree", 16), ("ddtree", 64))
 # The default pair's tau with the shipped drafter (v3) on the H100 at batch 1, bfloat16, 8 held-out prompts of 128

@@ -19,11 +19,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.session import DecodeSession
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
+from ddtree.settings import GenerationConfig
 
 
 class JoinClock:

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
+from ddtree.settings import GenerationConfig
 
 
 def timed(fn: Callable[..., Any], totals: dict[str, float], counts: dict[str, int], name: str) -> Callable[..., Any]:

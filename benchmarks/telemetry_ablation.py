@@ -20,10 +20,10 @@ from gpu_checks import TELEMETRY_ON
 
 from ddtree.bench.rows import PairSpec, telemetry_overhead
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import GenerationConfig
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
+from ddtree.settings import GenerationConfig
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "off-control": {"enabled": False},  # both sides off: the noise floor of the comparison

@@ -23,10 +23,11 @@ from gpu_checks import TELEMETRY_ON  # the same set-up: OTLP endpoint down, Prom
 
 import ddtree.engine.session as session_module
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter, default_target
 from ddtree.models.pair import load_models
+from ddtree.settings import GenerationConfig
 from telemetry import start_telemetry
 
 

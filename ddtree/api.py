@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, overload
 
-from ddtree.engine.engine import Engine, GenerationConfig, check_generation
+from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import CUDA_GRAPHS
 from ddtree.engine.proposers import TREE_KERNELS
 from ddtree.errors import UserError
@@ -34,10 +34,10 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.pair import DTYPES
 from ddtree.models.target import Target
 from ddtree.runtime import EngineOptions, completion_text, start_pair_telemetry
+from ddtree.settings import GenerationConfig, check_generation
 from telemetry import TelemetryConfig
 
 DEVICES = ("auto", "cpu", "cuda")
-SEED_LIMIT = 2**63  # request i samples with seed + i, an int64
 
 
 @dataclass(frozen=True)
@@ -148,19 +148,13 @@ class Pair:
     def _config(
         self, method: str, budget: int, topk: int | None, temperature: float, seed: int, tokens: int, prompts: int
     ) -> GenerationConfig:
+        config = GenerationConfig(method, budget, topk, temperature, seed, tokens, self.eos_token_ids)
+        check_generation(config, self.vocab_size, prompts)
         if get_method(method).needs_drafter and self.drafter is None:
             raise ValueError(
                 f"method {method!r} needs a drafter, and this pair has none: load_pair(model, drafter=DIR), "
                 "or method='ar'"
             )
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
-        if topk is not None and not 1 <= topk <= self.vocab_size:
-            raise ValueError(f"topk must be in 1..{self.vocab_size} (the vocabulary size), got {topk}")
-        if not 0 <= seed <= SEED_LIMIT - prompts:
-            raise ValueError(f"seed must be in 0..{SEED_LIMIT - prompts} (for {prompts} prompts), got {seed}")
-        config = GenerationConfig(method, budget, topk, temperature, seed, tokens, self.eos_token_ids)
-        check_generation(config)  # temperature and max_new_tokens
         return config
 
     def _encode(self, prompts: list[str], chat: bool) -> list[list[int]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddtree.errors import SettingsError
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -71,6 +73,24 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}") from None
+
+
+def check_tree(method: str, budget: int | None, topk: int | None, vocab_size: int | None = None) -> Method:
+    """The one check of a tree's settings (SettingsError): a known method, a budget >= 1 (None only where the
+    method has no budget to choose), a top-k >= 1 and, where `vocab_size` is known, no more than it."""
+    known = METHODS.get(method)
+    if known is None:
+        raise SettingsError("method", f"must be one of {', '.join(METHOD_NAMES)}, got {method!r}")
+    if budget is None:
+        if known.tuned_by_budget:
+            raise SettingsError("budget", f"must be >= 1 for {method}, got none")
+    elif budget < 1:
+        raise SettingsError("budget", f"must be >= 1, got {budget}")
+    if topk is not None and vocab_size is not None and not 1 <= topk <= vocab_size:
+        raise SettingsError("topk", f"must be in 1..{vocab_size} (the vocabulary size), got {topk}")
+    if topk is not None and topk < 1:
+        raise SettingsError("topk", f"must be >= 1, got {topk}")
+    return known
 
 
 def method_label(name: str, budget: int | None = None, topk: int | None = None) -> str:

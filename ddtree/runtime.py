@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from ddtree.engine.capacity import ModelDims, check_session, plan_session
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.errors import UserError
 from ddtree.methods import get_method
 from ddtree.models.cache import ddtree_home
@@ -24,6 +23,7 @@ from ddtree.models.pair import load_models, resolve_device, resolve_dtype
 from ddtree.models.target import Target, read_target_config
 from ddtree.observer import NOOP, StepObserver
 from ddtree.schedule import BudgetSchedule, read_schedule
+from ddtree.settings import GenerationConfig, check_generation, tree_shapes
 from telemetry import TelemetryConfig, start_telemetry
 
 
@@ -81,20 +81,12 @@ class GenerateRequest:
 
 
 def check_request(request: GenerateRequest, vocab_size: int | None = None) -> None:
-    """Check the request; the checks that need the vocabulary run when `vocab_size` is given."""
-    g = request.generation
-    if g.budget < 1:
-        raise UserError(f"--budget must be >= 1, got {g.budget}")
-    if g.topk is not None and g.topk < 1:
-        raise UserError(f"--topk must be >= 1, got {g.topk}")
-    if not (math.isfinite(g.temperature) and g.temperature >= 0):
-        raise UserError(f"--temperature must be a finite number >= 0, got {g.temperature}")
-    if g.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {g.max_new_tokens}")
+    """Check the request's settings (`check_generation`: SettingsError); the checks that need the vocabulary
+    (a top-k and prompt ids within it) run when `vocab_size` is given."""
+    prompts = len(request.prompts or request.prompt_ids or [None])
+    check_generation(request.generation, vocab_size, prompts)
     if vocab_size is None:
         return
-    if g.topk is not None and g.topk > vocab_size:
-        raise UserError(f"--topk must be in 1..{vocab_size} (the vocabulary size), got {g.topk}")
     for ids in request.prompt_ids or []:
         bad = [i for i in ids if not 0 <= i < vocab_size]
         if bad:
@@ -122,11 +114,7 @@ def check_capacity(
     device = resolve_device(options.device)
     drafter = read_drafter_config(drafter_dir) if drafter_dir is not None else None
     dims = ModelDims.of(read_target_config(model), resolve_dtype(options.dtype, device), drafter)
-    shape = (
-        dims.shape(config.method, config.budget, config.topk)
-        if config.schedule is None
-        else config.schedule.resolve(dims.shape).widest
-    )
+    shape = tree_shapes(config, dims.block - 1).widest
     check_session(dims, plan_session(dims, shape, slots, tokens), device)
 
 

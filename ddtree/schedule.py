@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.methods import TreeShape, method_label
+from ddtree.methods import TreeShape, check_tree, method_label
 
 FORMAT = "ddtree.schedule/1"
 SCHEDULED_METHODS = ("ar", "ddtree")
@@ -52,10 +52,7 @@ class Choice:
             raise ValueError(f"a schedule's batch sizes must be >= 1, got {self.batch_size}")
         if self.method not in SCHEDULED_METHODS:
             raise ValueError(f"a schedule chooses between {' and '.join(SCHEDULED_METHODS)}, got {self.method!r}")
-        if self.method == "ddtree" and (self.budget is None or self.budget < 1):
-            raise ValueError(f"a ddtree choice needs a budget >= 1, got {self.budget}")
-        if self.topk is not None and self.topk < 1:
-            raise ValueError(f"top-k must be >= 1, got {self.topk}")
+        check_tree(self.method, self.budget, self.topk)
 
     @property
     def label(self) -> str:

@@ -88,16 +88,12 @@ def root_only_tree(batch: int, device: torch.device) -> DraftTree:
 
 
 def tree_shape(draft_logits: torch.Tensor, budget: int, topk: int | None) -> tuple[int, int, int, int]:
-    """Check a tree build's arguments; return (batch, depth, vocab, candidates per depth)."""
+    """A tree build's dimensions: (batch, depth, vocab, candidates per depth). The budget and top-k were
+    checked where the settings were (`ddtree.settings.check_generation`, against this vocabulary)."""
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [batch, depth, vocab], got shape {tuple(draft_logits.shape)}")
     batch, depth, vocab = draft_logits.shape
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    k = min(budget, vocab) if topk is None else topk
-    if not 1 <= k <= vocab:
-        raise ValueError(f"topk must be in 1..{vocab} (the vocabulary size), got {k}")
-    return batch, depth, vocab, k
+    return batch, depth, vocab, min(budget, vocab) if topk is None else topk
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:

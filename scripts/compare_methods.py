@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.dflash import DFlashDrafter, drafter_config
 from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
+from ddtree.settings import GenerationConfig
 
 
 def main() -> None:

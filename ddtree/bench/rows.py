@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
+from ddtree.engine.engine import Engine, GenerationResult
 from ddtree.errors import UserError
 from ddtree.methods import get_method, mean_acceptance_length, method_label
 from ddtree.models.target import Target
 from ddtree.schedule import BudgetSchedule
+from ddtree.settings import GenerationConfig
 
 HF_BASELINE = "hf"  # `--baseline hf`: HF transformers `generate`, greedy, static cache
 AUTO = "auto"  # the row of ddtree following a budget schedule

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.rows import GREEDY, BenchRow, Progress, Sampling, run_bench
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.target import Target
 from ddtree.observer import StepObserver
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.cost import CostFile, CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest

@@ -309,9 +309,9 @@ def _overhead(
     """Telemetry as users turn it on: spans to an OTLP endpoint, Prometheus metrics, JSON step logs; every
     batch decodes at `sampling` (a batch's request i seeded seed + i)."""
     from ddtree.bench.rows import PairSpec, telemetry_overhead
-    from ddtree.engine.engine import GenerationConfig
     from ddtree.methods import method_label
     from ddtree.models.chat import chat_ids, eos_ids
+    from ddtree.settings import GenerationConfig
     from telemetry.config import TelemetryConfig
 
     config = GenerationConfig(

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ddtree.runtime import EngineOptions
 
 SEED_MAX = 2**32 - 1
+FLAGS = {"schedule": "--budget-schedule"}  # a setting's flag, where it is not --<setting with dashes>
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -106,6 +107,11 @@ def iter_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentP
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):  # an alias would list a parser twice
                 yield from iter_parsers(child)
+
+
+def flag_of(setting: str) -> str:
+    """The flag that sets a library setting (`max_new_tokens`: `--max-new-tokens`), to name it in errors."""
+    return FLAGS.get(setting, "--" + setting.replace("_", "-"))
 
 
 def int_flag(low: int, high: int | None = None) -> Callable[[str], int]:

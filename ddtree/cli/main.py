@@ -35,12 +35,13 @@ from ddtree.cli.common import (
     device_args,
     engine_options,
     examples_epilog,
+    flag_of,
     float_flag,
     int_flag,
     ints,
     model_args,
 )
-from ddtree.errors import CapacityError, UserError
+from ddtree.errors import CapacityError, SettingsError, UserError
 from ddtree.methods import METHOD_NAMES
 from telemetry.config import TelemetryConfigError
 
@@ -90,8 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         result: int = args.func(args)
         return result
-    except (UserError, CapacityError, TelemetryConfigError) as exc:
-        print(f"ddtree: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
+    except (UserError, CapacityError, TelemetryConfigError, SettingsError) as exc:
+        message = exc.named(flag_of(exc.setting)) if isinstance(exc, SettingsError) else str(exc)
+        print(f"ddtree: error: {' '.join(message.split())}", file=sys.stderr)  # one line
         return EXIT_USAGE
     except BrokenPipeError:
         # The reader went away (`| head`): end quietly, without a second error when Python flushes stdout.
@@ -190,9 +192,9 @@ def _models_parsers(sub: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ddtree.engine.engine import GenerationConfig
     from ddtree.methods import mean_acceptance_length
     from ddtree.runtime import GenerateRequest, run_generate
+    from ddtree.settings import GenerationConfig
 
     generation = GenerationConfig(
         method=args.method,

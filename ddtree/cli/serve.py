@@ -147,10 +147,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_serve_capacity(settings: ServerSettings) -> None:
     """The session the server will make (its slots, each for `--max-model-len` tokens), checked from the
     configs against the model's context length and the device's memory."""
-    from ddtree.engine.engine import GenerationConfig
     from ddtree.models.target import read_target_config
     from ddtree.runtime import check_capacity, load_schedule, resolve_paths
     from ddtree.server.model import DEFAULT_MAX_MODEL_LEN
+    from ddtree.settings import GenerationConfig
 
     model, drafter = resolve_paths(settings.model, settings.drafter, settings.method)
     limit = getattr(read_target_config(model), "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN

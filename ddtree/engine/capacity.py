@@ -14,7 +14,7 @@ import torch
 
 from ddtree.engine.requests import cache_tokens, round_up
 from ddtree.errors import CapacityError
-from ddtree.methods import TreeShape, get_method
+from ddtree.methods import TreeShape
 from ddtree.models.hybrid import LINEAR, MixerShape
 from ddtree.models.target import HYBRID_MODEL_TYPES
 
@@ -102,10 +102,6 @@ class ModelDims:
             draft_head_dim=int(drafter.head_dim),
             block=int(drafter.block_size),
         )
-
-    def shape(self, method: str, budget: int, topk: int | None) -> TreeShape:
-        """The tree `method` verifies with the user's `budget` and `topk` on this drafter (`Method.shape`)."""
-        return get_method(method).shape(budget, topk, self.block - 1)
 
 
 @dataclass(frozen=True)

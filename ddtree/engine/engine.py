@@ -12,37 +12,22 @@ fit raise `CapacityError` before anything is allocated.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ddtree.engine.capacity import ModelDims, check_context, check_session, plan_session
 from ddtree.engine.graphs import use_cuda_graphs
-from ddtree.engine.requests import Request, RequestOutput, check_filters
+from ddtree.engine.requests import Request, RequestOutput
 from ddtree.engine.session import DecodeSession
-from ddtree.methods import TreeShape, get_method
+from ddtree.methods import TreeShape
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.observer import NOOP, StepObserver
-from ddtree.schedule import BudgetSchedule, ShapeSchedule
+from ddtree.schedule import ShapeSchedule
+from ddtree.settings import GenerationConfig, check_generation, tree_shapes
 
 KEPT_SESSIONS = 4  # sessions kept for reuse, least recently used dropped first
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    method: str = "ddtree"
-    budget: int = 32
-    topk: int | None = None
-    temperature: float = 0.0
-    seed: int = 0  # request i of a batch samples with seed + i
-    max_new_tokens: int = 128
-    eos_token_ids: tuple[int, ...] = ()
-    schedule: BudgetSchedule | None = None  # ddtree only: the tree follows the load (budget and topk unused)
-    top_p: float = 1.0  # in (0, 1]: nucleus sampling of the target's tokens at T > 0 (1: off)
-    top_k: int = 0  # the target samples among its k most probable tokens at T > 0 (0: off)
-    logprobs: int | None = None  # None: no log-probabilities; 0: the emitted tokens'; N: and N alternatives each
 
 
 @dataclass(frozen=True)
@@ -54,21 +39,6 @@ class GenerationResult:
     @property
     def new_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
-
-
-def check_generation(config: GenerationConfig) -> None:
-    """ValueError for settings no session can run (the CLI checks its flags before this)."""
-    if not (math.isfinite(config.temperature) and config.temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {config.temperature}")
-    if config.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
-    check_filters(config.top_p, config.top_k, config.logprobs)
-    if config.budget < 1 and get_method(config.method).tuned_by_budget:
-        raise ValueError(f"budget must be >= 1, got {config.budget}")
-    if config.topk is not None and config.topk < 1:
-        raise ValueError(f"topk must be >= 1, got {config.topk}")
-    if config.schedule is not None and config.method != "ddtree":
-        raise ValueError(f"a budget schedule chooses ddtree trees; method {config.method!r} has no budget to follow")
 
 
 class Engine:
@@ -160,15 +130,12 @@ class Engine:
 
     def shapes(self, config: GenerationConfig) -> ShapeSchedule:
         """The trees `config` verifies, by the rows a step runs: one shape, or its schedule's."""
-        dims = self.dims
-        if config.schedule is None:
-            return ShapeSchedule.fixed(dims.shape(config.method, config.budget, config.topk))
-        return config.schedule.resolve(dims.shape)
+        return tree_shapes(config, self.dims.block - 1)
 
     def session(self, config: GenerationConfig, slots: int, tokens: int) -> DecodeSession:
         """A free session for `slots` requests of up to `tokens` tokens each (prompt and new tokens).
         CapacityError, before anything is allocated, where that does not fit (`check_session`)."""
-        check_generation(config)
+        check_generation(config, int(self.target.config.vocab_size))
         dims = self.dims
         shapes = self.shapes(config)
         key = (shapes, slots)

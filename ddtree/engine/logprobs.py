@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's `top_logprobs` cap)
+from ddtree.settings import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)

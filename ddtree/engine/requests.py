@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ddtree.engine.logprobs import MAX_TOP_LOGPROBS, LogprobLayout, read_row
+from ddtree.engine.logprobs import LogprobLayout, read_row
+from ddtree.errors import SettingsError
+from ddtree.settings import check_sampling
 
 Alternatives = list[tuple[int, float]]  # (token id, log-probability), most probable first
 
@@ -147,24 +148,13 @@ def cache_tokens(tokens: int, width: int, block: int) -> int:
 
 
 def check_request(request: Request, needed: int, capacity: int) -> None:
+    """A request a session can take: a prompt, a limit, sampling within range (SettingsError) and the room."""
     if not request.prompt:
         raise ValueError("every prompt needs at least one token")
     if request.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-    if request.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {request.temperature}")
-    check_filters(request.top_p, request.top_k, request.logprobs)
+        raise SettingsError("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
+    check_sampling(request.temperature, request.top_p, request.top_k, request.logprobs)
     if needed > capacity:
         raise ValueError(
             f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"
         )
-
-
-def check_filters(top_p: float, top_k: int, logprobs: int | None) -> None:
-    """ValueError for a top-p, top-k or logprobs setting out of range."""
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0 or top_k != int(top_k):
-        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
-    if logprobs is not None and not (0 <= logprobs <= MAX_TOP_LOGPROBS and logprobs == int(logprobs)):
-        raise ValueError(f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")

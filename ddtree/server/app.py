@@ -41,8 +41,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.engine.requests import Request as DecodeRequest
+from ddtree.errors import SettingsError
 from ddtree.server.card import ApiModel
-from ddtree.server.errors import ApiError, api_error_response, bad_request, shutting_down, validation_error
+from ddtree.server.errors import (
+    ApiError,
+    api_error_response,
+    bad_request,
+    settings_error,
+    shutting_down,
+    validation_error,
+)
 from ddtree.server.faults import ErrorGuard
 from ddtree.server.gate import RequestGate
 from ddtree.server.generation import ClientGone, Generation, GenerationFailed, abandon_on_disconnect
@@ -55,6 +63,7 @@ from ddtree.server.responses import Reply, ddtree_block, usage_block
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling
 from ddtree.server.text import TextStream
 from ddtree.server.worker import QueueFull, WorkerStopped
+from ddtree.settings import check_sampling
 from telemetry import semconv as sc
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -284,6 +293,10 @@ def _start(
         top_k=body.top_k_value(),
         logprobs=top,
     )
+    try:
+        check_sampling(request.temperature, request.top_p, request.top_k, request.logprobs)
+    except SettingsError as exc:
+        raise settings_error(exc) from None
     tokenizer = state.model.tokenizer
     text = TextStream(tokenizer, prompt, body.stop_list())
     generation = Generation(state.worker, request, text, meter, state.settings.stream_interval)

@@ -27,7 +27,7 @@ import msgspec
 import torch
 import zmq
 
-from ddtree.errors import UserError
+from ddtree.errors import CapacityError, SettingsError, UserError
 from ddtree.models.pair import resolve_device
 from ddtree.server import transport as tp
 from ddtree.server.model import ServedModel, ServerSettings, load_model
@@ -225,7 +225,10 @@ def engine_main(settings: ServerSettings, plan: tp.Plan, ready: Connection) -> N
         served = load_model(settings)
         core = EngineCore(served, settings, plan)
         core.start()
-    except UserError as exc:
+    except SettingsError as exc:  # the launcher raises it again, for the CLI to name the flag
+        ready.send_bytes(msgspec.msgpack.encode({"error": str(exc), "setting": exc.setting, "problem": exc.problem}))
+        raise SystemExit(1) from None
+    except (UserError, CapacityError) as exc:
         ready.send_bytes(msgspec.msgpack.encode({"error": str(exc)}))
         raise SystemExit(1) from None
     except Exception as exc:

@@ -12,6 +12,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from ddtree.errors import SettingsError
+
+FIELDS = {"max_new_tokens": "max_tokens"}  # a setting's request field, where the names differ
 SHUTTING_DOWN = "server_shutting_down"
 REQUEST_TIMEOUT = "request_timeout"
 RETRY_AFTER_SECONDS = 1
@@ -48,6 +51,12 @@ def api_error_response(error: ApiError) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def settings_error(exc: SettingsError) -> ApiError:
+    """A setting the library refused, as a 400 that names the request's field."""
+    field = FIELDS.get(exc.setting, exc.setting)
+    return bad_request(exc.named(field), param=field)
 
 
 def shutting_down() -> ApiError:

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ddtree.errors import UserError
+from ddtree.errors import SettingsError, UserError
 from ddtree.server import transport as tp
 from ddtree.server.card import ApiModel, ModelCard
 from ddtree.server.model import ServerSettings
@@ -128,6 +128,8 @@ class Launcher:
         send.close()
         self.engine = engine
         answer = _answer(engine, receive, lambda: self._signalled)
+        if "setting" in answer:
+            raise SettingsError(str(answer["setting"]), str(answer["problem"]))
         if "error" in answer:
             raise UserError(str(answer["error"]))
         return msgspec.convert(answer["card"], ModelCard)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
 from ddtree.models.chat import eos_ids
@@ -23,6 +23,7 @@ from ddtree.runtime import (
 from ddtree.schedule import BudgetSchedule
 from ddtree.server.card import ApiModel, ModelCard
 from ddtree.server.connections import connection_budget, descriptors_needed, fd_limit
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 
 DEFAULT_MAX_MODEL_LEN = 2048  # or the model's max_position_embeddings when that is smaller

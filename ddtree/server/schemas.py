@@ -38,8 +38,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ddtree.settings import MAX_TOP_LOGPROBS
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives per token, as OpenAI's chat API allows
 NEUTRAL: dict[str, Any] = {  # known, not implemented: accepted only with the value that changes nothing
     "presence_penalty": 0,
     "frequency_penalty": 0,

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.errors import UserError
 from ddtree.models.chat import chat_ids
 from ddtree.models.target import Target
+from ddtree.settings import GenerationConfig
 from ddtree.train.bundle import SHARD_BYTES, load_bundle, save_bundle, tensor_budget
 
 DATA_BUNDLE = "data"

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from ddtree.accept import accept
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.methods import TreeShape, get_method, mean_acceptance_length
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
+from ddtree.settings import GenerationConfig
 from ddtree.train.heldout import HeldoutSet
 from ddtree.train.runs import EVAL_BUDGET
 from ddtree.train.trainer import block_mask

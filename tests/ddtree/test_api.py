@@ -16,6 +16,7 @@ import pytest
 
 import ddtree
 from ddtree.api import Completion, Pair
+from ddtree.errors import SettingsError
 from ddtree.models.chat import chat_ids
 from telemetry import semconv as sc
 
@@ -103,7 +104,7 @@ def test_the_models_end_of_sequence_token_stops_generation(
         ({"budget": 0, "method": "ar"}, "budget must be >= 1, got 0"),
         ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
-        ({"method": "beam"}, "unknown method 'beam'; choose one of ar, dflash, ddtree"),
+        ({"method": "beam"}, "method must be one of ar, dflash, ddtree, got 'beam'"),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
         ({"topk": 0}, "topk must be in 1.."),
         ({"topk": 10**6}, "topk must be in 1..258 (the vocabulary size), got 1000000"),
@@ -117,6 +118,8 @@ def test_bad_values_raise_value_error_in_the_words_of_the_values(
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
         pair.generate(args.pop("prompt"), **args)  # type: ignore[call-overload]
     assert "--" not in str(raised.value)
+    if "prompt" not in message:  # a setting's: the one error type, naming the setting its message starts with
+        assert isinstance(raised.value, SettingsError) and message.startswith(raised.value.setting + " ")
 
 
 def test_a_model_without_a_drafter_runs_ar_only(pair: Pair, tiny_dirs: tuple[Path, Path]) -> None:

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.methods import TreeShape
 from ddtree.observer import NOOP, NoopObserver
+from ddtree.settings import GenerationConfig
 from telemetry import semconv
 from tests.helpers import random_prompts, tiny_pair
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.sampling import choose_tokens, counter_uniform
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 VOCAB = 8

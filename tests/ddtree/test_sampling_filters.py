@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.sampling import choose_tokens, keep_mask
+from ddtree.settings import GenerationConfig
 from tests.ddtree.test_sampling import PROMPT, VOCAB, pooled_chisquare, target_probs
 from tests.helpers import random_prompts, shape_of, tiny_pair
 

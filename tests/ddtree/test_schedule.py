@@ -50,7 +50,7 @@ def test_a_file_round_trips(tmp_path: Path) -> None:
         ('{"format": "ddtree.cost/2", "choices": []}', "format 'ddtree.cost/2'"),
         ('{"format": "ddtree.schedule/1", "choices": []}', "at least one choice"),
         ('{"format": "ddtree.schedule/1", "choices": [{"batch_size": 1, "method": "dflash"}]}', "ar and ddtree"),
-        ('{"format": "ddtree.schedule/1", "choices": [{"batch_size": 1, "method": "ddtree"}]}', "budget >= 1"),
+        ('{"format": "ddtree.schedule/1", "choices": [{"batch_size": 1, "method": "ddtree"}]}', "budget must be >= 1"),
         ('{"format": "ddtree.schedule/1", "choices": [{"batch_size": 0, "method": "ar"}]}', "must be >= 1"),
         (
             '{"format": "ddtree.schedule/1", "choices": [{"batch_size": 2, "method": "ar"}, '

@@ -129,12 +129,6 @@ def test_topk_one_gives_the_greedy_chain() -> None:
     assert torch.equal(tree.parents[:, 1:], torch.arange(5).expand(3, -1))
 
 
-@pytest.mark.parametrize(("budget", "topk", "message"), [(0, None, "budget"), (4, 0, "topk"), (4, 21, "topk")])
-def test_build_tree_rejects_bad_arguments(budget: int, topk: int | None, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        build_tree(torch.zeros(1, 2, 20), budget, topk)
-
-
 @settings(max_examples=150, deadline=None)
 @given(
     batch=st.integers(1, 3),

@@ -18,11 +18,12 @@ import torch
 
 from ddtree.bench.rows import PairSpec, telemetry_overhead
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.default import default_drafter
 from ddtree.models.pair import load_models
 from ddtree.schedule import BudgetSchedule, Choice
+from ddtree.settings import GenerationConfig
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig
 

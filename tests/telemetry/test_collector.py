@@ -5,7 +5,8 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, shape_of, tiny_pair
 from tests.telemetry.helpers import captured_telemetry

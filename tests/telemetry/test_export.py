@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
 from tests import tools

@@ -7,8 +7,9 @@ import sys
 from types import FrameType
 from typing import Any
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.observer import NOOP
+from ddtree.settings import GenerationConfig
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig
 from tests.helpers import random_prompts, tiny_pair

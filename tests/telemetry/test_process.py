@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, TelemetryConfigError, start_telemetry
 from telemetry import semconv as sc
 from telemetry.outbox import SEND_EVERY_STEPS

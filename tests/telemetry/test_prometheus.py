@@ -11,7 +11,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import semconv as sc
 from telemetry import start_telemetry
 from telemetry.config import TelemetryConfig

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
+from ddtree.engine.engine import Engine, GenerationResult
 from ddtree.methods import TreeShape
+from ddtree.settings import GenerationConfig
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import Captured, captured_telemetry

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig, GenerationResult
+from ddtree.engine.engine import Engine, GenerationResult
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, process, start_telemetry
 from telemetry import semconv as sc
 from tests.helpers import random_prompts, tiny_pair
@@ -116,7 +117,8 @@ def test_an_exporter_without_cpu_time_loses_nothing(tmp_path: Path) -> None:
 
 PARENT = """
 import os, sys
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from tests.helpers import random_prompts, tiny_pair
 config = TelemetryConfig(enabled=True, traces_exporter="none", metrics_exporter="none", log_file=sys.argv[1])

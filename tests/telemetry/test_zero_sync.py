@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.kernels.clock import stamps_available
 from ddtree.observer import StepObserver
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry import semconv as sc
 from telemetry.collector import Collector

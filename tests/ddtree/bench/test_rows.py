@@ -63,7 +63,7 @@ def test_overhead_schedule_alternates() -> None:
 def test_telemetry_overhead_observes_only_the_on_side(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     """Only the on engine observes, and it observes every batch it runs (the off warm-up pass is not seen)."""
     from ddtree.bench.rows import PairSpec, telemetry_overhead
-    from ddtree.engine.engine import GenerationConfig
+    from ddtree.settings import GenerationConfig
     from telemetry.config import TelemetryConfig
 
     target, drafter = tiny_dirs

@@ -10,8 +10,9 @@ import pytest
 
 from ddtree.bench.rows import AUTO, BenchRow, Sampling, run_bench
 from ddtree.engine import engine as engine_module
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.schedule import BudgetSchedule, Choice, ShapeSchedule
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 METHODS = ["ar", "dflash", "ddtree"]

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from ddtree.cli.main import main
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.schedule import read_schedule
+from ddtree.settings import GenerationConfig
 from telemetry.analysis.advise import MIN_EXACT_SHARE, advise
 from telemetry.analysis.cost import CostPoint, read_costs, write_costs
 from telemetry.analysis.digest import Digest

@@ -12,13 +12,14 @@ import torch
 from ddtree.engine import capacity
 from ddtree.engine import engine as engine_module
 from ddtree.engine.capacity import ModelDims, plan_session, recurrent_bytes, session_bytes
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.errors import CapacityError
 from ddtree.models.default import default_drafter
 from ddtree.models.dflash import read_drafter_config
 from ddtree.models.target import TokenOrder
 from ddtree.models.tiny import tiny_llama_config
 from ddtree.runtime import EngineOptions, check_capacity
+from ddtree.settings import GenerationConfig, tree_shapes
 from tests.helpers import tiny_hybrid_pair, tiny_pair
 
 CONTEXT = 4096  # tiny_llama_config's max_position_embeddings
@@ -107,7 +108,7 @@ def test_the_default_pair_at_batch_64_fits_an_h200_as_measured() -> None:
     smollm2.intermediate_size, smollm2.max_position_embeddings = 1536, 8192
     dims = ModelDims.of(smollm2, torch.bfloat16, read_drafter_config(default_drafter()))
     kv, tree = session_bytes(
-        dims, plan_session(dims, dims.shape("ddtree", GenerationConfig(budget=64).budget, None), slots=64, tokens=300)
+        dims, plan_session(dims, tree_shapes(GenerationConfig(budget=64), dims.block - 1).widest, slots=64, tokens=300)
     )
     assert kv + tree < 5 * 10**9
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.logprobs import LogprobLayout, read_row
 from ddtree.engine.requests import Request, RequestOutput
 from ddtree.engine.session import DecodeSession
 from ddtree.observer import NoopObserver
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, shape_of, tiny_pair
 
 VOCAB = 24

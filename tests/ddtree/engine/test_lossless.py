@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 BUDGETS = [1, 2, 3, 5, 8, 13, 21, 32, 48, 64]

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.requests import Request, row_counts
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import TreeShape
 from ddtree.schedule import BudgetSchedule, Choice
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 

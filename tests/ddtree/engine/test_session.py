@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import TreeShape
 from ddtree.observer import NoopObserver
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, shape_of, tiny_pair
 
 

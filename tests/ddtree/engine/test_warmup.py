@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import StepRunner
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.methods import TreeShape
 from ddtree.observer import NoopObserver
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 

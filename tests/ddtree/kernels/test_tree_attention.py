@@ -139,7 +139,8 @@ def test_resolve_attention(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_engine_with_the_triton_attention_equals_ar(method: str) -> None:
     """Greedy decoding through the kernel (prefill and verify) gives sdpa ar's tokens, and the same steps."""
-    from ddtree.engine.engine import Engine, GenerationConfig
+    from ddtree.engine.engine import Engine
+    from ddtree.settings import GenerationConfig
     from tests.helpers import random_prompts, tiny_pair
 
     target, drafter = tiny_pair(21, vocab=24, block_size=5, dtype=torch.float32)

@@ -277,7 +277,8 @@ def test_bitonic_selection_matches_too(
 @pytest.mark.parametrize("budget", [3, 16])
 def test_engine_with_the_fused_tree_kernel_equals_ar(budget: int) -> None:
     """The decode loop with the fused kernels (interpreted here) stays lossless and builds the torch path's trees."""
-    from ddtree.engine.engine import Engine, GenerationConfig
+    from ddtree.engine.engine import Engine
+    from ddtree.settings import GenerationConfig
     from tests.helpers import random_prompts, tiny_pair
 
     target, drafter = tiny_pair(21, vocab=24, block_size=5, dtype=torch.float32)

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.methods import mean_acceptance_length
 from ddtree.models.chat import chat_ids, eos_ids
+from ddtree.settings import GenerationConfig
 
 PROMPTS = slice(3, None, 8)  # 8 of the 64 held-out prompts
 NEW_TOKENS = 32

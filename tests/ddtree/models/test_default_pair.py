@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from ddtree.data import heldout_prompts
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models import pull as pull_module
 from ddtree.models.chat import chat_ids, eos_ids
 from ddtree.models.pull import MANIFEST, is_complete, model_dir, pull
+from ddtree.settings import GenerationConfig
 
 
 def test_pull_is_complete_and_idempotent(smollm2: Path) -> None:

@@ -16,11 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddtree.cli.main import main
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.models.hybrid import HybridTarget
 from ddtree.models.pair import load_models
 from ddtree.models.target import read_target_config
 from ddtree.models.tiny import tiny_hybrid_config, write_tiny_target
+from ddtree.settings import GenerationConfig
 from tests.ddtree.test_sampling import pooled_chisquare, target_probs
 from tests.helpers import random_prompts, tiny_hybrid_pair
 

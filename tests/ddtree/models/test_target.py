@@ -3,11 +3,12 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.models.target import Target
 from ddtree.models.tiny import random_llama, tiny_llama_config
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, shape_of, tiny_pair
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.methods import get_method
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.hybrid import make_target
+from ddtree.settings import GenerationConfig
 from ddtree.train.data import TrainingSequence
 from ddtree.train.runs import tau_points
 from ddtree.train.teacher import (

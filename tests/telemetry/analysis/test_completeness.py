@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from ddtree.cli.main import main
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import semconv as sc
 from telemetry.analysis.advise import REFUSE_BELOW, WARN_BELOW
 from telemetry.analysis.cost import CostPoint, write_costs

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from ddtree.tree import build_tree
 from telemetry import semconv as sc
 from telemetry.analysis.replay import ReplayTable, replay_accepted, replay_is_exact

@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from ddtree.cli.main import main
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry import semconv as sc
 from telemetry.analysis.cost import (
     CostPoint,

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from ddtree.cli.main import main
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
+from ddtree.settings import GenerationConfig
 from telemetry.analysis.steps import advice, read_steps, summarise
 from tests.helpers import random_prompts, tiny_pair
 from tests.telemetry.helpers import captured_telemetry

@@ -7,8 +7,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from ddtree.engine.engine import Engine, GenerationConfig
+from ddtree.engine.engine import Engine
 from ddtree.schedule import BudgetSchedule, Choice
+from ddtree.settings import GenerationConfig
 from telemetry import TelemetryConfig, start_telemetry
 from telemetry.analysis.digest import Digest
 from tests.helpers import random_prompts, tiny_pair

@@ -1,0 +1,73 @@
+"""A decode's settings: what a batch of requests decodes with, checked and resolved in this one place.
+
+- `GenerationConfig`: the method, its tree (a budget and top-k, or a budget schedule), sampling and limits.
+- `check_generation`: the one check of those values; `check_sampling`: the part a single request carries
+  (the engine checks each joining request with it). Both raise `SettingsError` in the words of the values
+  (`budget must be >= 1, got 0`); the CLI names the flag and the server the request's field.
+- `tree_shapes`: the one resolution of the settings into the trees a step verifies, on a drafter of a
+  given depth (`ShapeSchedule`: one shape, or a schedule's by the rows a step runs).
+
+The engine, the Python API, the CLI and the server all go through these; nothing else checks a budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddtree.errors import SettingsError
+from ddtree.methods import check_tree, get_method
+from ddtree.schedule import BudgetSchedule, ShapeSchedule
+
+MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's `top_logprobs` cap)
+SEED_LIMIT = 2**63  # request i of a batch samples with seed + i, an int64
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "ddtree"
+    budget: int = 32
+    topk: int | None = None
+    temperature: float = 0.0
+    seed: int = 0  # request i of a batch samples with seed + i
+    max_new_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()
+    schedule: BudgetSchedule | None = None  # ddtree only: the tree follows the load (budget and topk unused)
+    top_p: float = 1.0  # in (0, 1]: nucleus sampling of the target's tokens at T > 0 (1: off)
+    top_k: int = 0  # the target samples among its k most probable tokens at T > 0 (0: off)
+    logprobs: int | None = None  # None: no log-probabilities; 0: the emitted tokens'; N: and N alternatives each
+
+
+def check_generation(config: GenerationConfig, vocab_size: int | None = None, prompts: int = 1) -> None:
+    """SettingsError for settings no session can run; with `vocab_size`, a top-k no larger than it, and with
+    `prompts`, seeds seed .. seed + prompts - 1 that fit an int64."""
+    check_tree(config.method, config.budget, config.topk, vocab_size)
+    if config.schedule is not None and config.method != "ddtree":
+        raise SettingsError(
+            "schedule", f"chooses ddtree trees; method {config.method!r} has no budget to follow, got a schedule"
+        )
+    if config.max_new_tokens < 1:
+        raise SettingsError("max_new_tokens", f"must be >= 1, got {config.max_new_tokens}")
+    if not 0 <= config.seed <= SEED_LIMIT - prompts:
+        raise SettingsError("seed", f"must be in 0..{SEED_LIMIT - prompts} (for {prompts} prompts), got {config.seed}")
+    check_sampling(config.temperature, config.top_p, config.top_k, config.logprobs)
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, logprobs: int | None) -> None:
+    """SettingsError for a temperature, top-p, top-k or logprobs setting out of range."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise SettingsError("temperature", f"must be a finite number >= 0, got {temperature}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise SettingsError("top_p", f"must be in (0, 1], got {top_p}")
+    if top_k < 0 or top_k != int(top_k):
+        raise SettingsError("top_k", f"must be an integer >= 0 (0: off), got {top_k}")
+    if logprobs is not None and not (0 <= logprobs <= MAX_TOP_LOGPROBS and logprobs == int(logprobs)):
+        raise SettingsError("logprobs", f"must be None or in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+
+
+def tree_shapes(config: GenerationConfig, depth: int) -> ShapeSchedule:
+    """The trees `config` verifies on a drafter of `depth` draft positions (its block size - 1), by the rows a
+    step runs: one shape, or its schedule's."""
+    if config.schedule is None:
+        return ShapeSchedule.fixed(get_method(config.method).shape(config.budget, config.topk, depth))
+    return config.schedule.resolve(lambda method, budget, topk: get_method(method).shape(budget, topk, depth))
