@@ -44,7 +44,7 @@ def check_generation(config: GenerationConfig, vocab_size: int | None = None, pr
     check_tree(config.method, config.budget, config.topk, vocab_size)
     if config.schedule is not None and config.method != "ddtree":
         raise SettingsError(
-            "schedule", f"chooses ddtree trees; method {config.method!r} has no budget to follow, got a schedule"
+            "schedule", f"needs method 'ddtree' (a budget schedule chooses ddtree trees), got method {config.method!r}"
         )
     if config.max_new_tokens < 1:
         raise SettingsError("max_new_tokens", f"must be >= 1, got {config.max_new_tokens}")
