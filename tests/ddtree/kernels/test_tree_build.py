@@ -247,15 +247,11 @@ def test_sizes_past_the_kernel_limits_fall_back_to_build_tree() -> None:
     assert_same_tree(build_tree_fused(logits, 20000), build_tree(logits, 20000))
 
 
-@pytest.mark.parametrize(
-    ("shape", "budget", "topk", "match"),
-    [((2, 50), 4, None, "must be"), ((1, 2, 50), 0, None, "budget"), ((1, 2, 50), 4, 51, "topk")],
-)
-def test_rejects_what_build_tree_rejects(shape: tuple[int, ...], budget: int, topk: int | None, match: str) -> None:
-    logits = torch.zeros(shape)
+def test_rejects_what_build_tree_rejects() -> None:
+    """Logits of the wrong rank; the budget and top-k are the settings' to check (`ddtree.settings`)."""
     for fn in (build_tree, build_tree_fused):
-        with pytest.raises(ValueError, match=match):
-            fn(logits, budget, topk)
+        with pytest.raises(ValueError, match="must be"):
+            fn(torch.zeros(2, 50), 4, None)
 
 
 def test_time_tree_build_on_cpu_times_the_torch_path_only() -> None:
