@@ -52,3 +52,21 @@ def accept(tree: DraftTree, ancestors: torch.Tensor, target_tokens: torch.Tensor
     bonus = target_tokens.gather(1, last).squeeze(1)
     tokens = torch.where(tree.tokens < 0, root[:, None], tree.tokens)
     return AcceptResult(path=path, accepted=accepted, bonus=bonus, path_tokens=tokens.gather(1, path))
+
+
+def accepted_ranks(tree: DraftTree, path: torch.Tensor, depth: int) -> torch.Tensor:
+    """[batch, min(depth, nodes - 1)] int64: the rank of the accepted node at each depth 1..depth, on the device.
+
+    A node's rank is the number of its siblings before it in the tree. Nodes come in order of decreasing
+    probability and the drafter's distribution at a depth does not depend on the parent, so rank 0 is the
+    drafter's top-1 token at that depth and rank r its (r+1)-th candidate (up to ties, which the tree's order
+    breaks): the chain (`dflash`) is the path of rank-0 nodes. `path` is `AcceptResult.path` ([batch, nodes],
+    the root first, the last accepted node repeated past the end), so the columns past a row's accepted drafts
+    repeat its last rank (0 where it accepted none: the root has no siblings).
+    """
+    nodes = path[:, 1 : 1 + depth]  # [batch, depth] the accepted node at each depth
+    parent = tree.parents.gather(1, nodes)  # [batch, depth]
+    slots = torch.arange(tree.width, device=path.device)  # [nodes]
+    earlier = slots[None, None, :] < nodes[:, :, None]  # [batch, depth, nodes]
+    siblings = tree.parents[:, None, :] == parent[:, :, None]  # [batch, depth, nodes]; the root's match nothing
+    return (earlier & siblings).sum(dim=-1)  # [batch, depth]

@@ -85,6 +85,13 @@ class StepProbe(Protocol):
         """[rows, nodes]: the drafter's log-probabilities, -inf = padding."""
 
     @property
+    def ranks(self) -> npt.NDArray[np.int64]:
+        """[rows, depth]: the accepted path's ranks, the rank of the accepted node at depth 1..depth among its
+        siblings (0 = its parent's most probable child, the drafter's top-1 at that depth: `ddtree.accept.
+        accepted_ranks`); a row's columns past its accepted drafts are not its path. No columns where the tree
+        is the root alone."""
+
+    @property
     def stamps_ns(self) -> list[int] | None:
         """GPU clock at the step's start, then at the end of each stage in `STAGES` order; None: the
         step was not stamped (its stage hooks ran)."""

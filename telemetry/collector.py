@@ -12,11 +12,13 @@ of adding to the idle time between steps. Consecutive stages share their boundar
 and events and pinned buffers are reused.
 
 A decode session (`on_session`) reads back a probe with each step's tokens (`on_probe`): the tree's arrays
-come with it, so `on_tree` copies nothing. In a stamped session a step replayed from a graph brings its stage
-times too, as GPU clock stamps: it gets no stage hooks, records no event, and is ready as soon as it ends
-(its data is on the host). Its times are the host wall time taken at `on_step_start` plus the stamps'
-offsets from the first one. `on_step_start` cannot tell such a step from the eager first step of a shape,
-which does get stage hooks, so in a stamped session a step's first mark is taken at its first stage hook.
+and the accepted path's ranks (computed on the device) come with it, so `on_tree` copies nothing; a loop
+without probes (SGLang's worker) gives no ranks, and its records have none. In a stamped session a step
+replayed from a graph brings its stage times too, as GPU clock stamps: it gets no stage hooks, records no
+event, and is ready as soon as it ends (its data is on the host). Its times are the host wall time taken at
+`on_step_start` plus the stamps' offsets from the first one. `on_step_start` cannot tell such a step from
+the eager first step of a shape, which does get stage hooks, so in a stamped session a step's first mark is
+taken at its first stage hook.
 Stamped records are resolved and handed on `STAMPED_DRAIN_EVERY` at a time, at a step start.
 
 With `handoff` (what `start_telemetry` sets on CUDA), none of that runs on the decode thread: a step's end
@@ -290,6 +292,7 @@ class Collector:
             log_probs=tree.get("log_probs"),
             warmup=record.warmup,
             rows=record.rows,
+            ranks=tree.get("ranks"),
         )
 
     def _times(self, record: _Pending) -> tuple[int, int, dict[str, tuple[int, int]]]:
@@ -309,7 +312,7 @@ class Collector:
         """The active rows of the tree's arrays (copies, or views of the probe's own arrays), by field name."""
         if record.probe is not None:
             probe, rows = record.probe, slice(None) if all(active) else active
-            fields = ("depths", *self.tree_fields)
+            fields = ("depths", "ranks", *self.tree_fields)  # the accepted path's ranks come with the probe only
             return {name: getattr(probe, name)[rows] for name in fields}
         tree = {name: host.numpy()[active] for name, host in record.tree.items()}  # copies: buffers are reused
         if record.depths is not None:

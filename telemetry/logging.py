@@ -16,6 +16,7 @@ import structlog
 from ddtree.methods import mean_acceptance_length
 from ddtree.observer import GenerateInfo, RequestResult
 from telemetry import semconv as sc
+from telemetry.chain import per_depth
 from telemetry.config import TelemetryConfig, TelemetryConfigError
 from telemetry.paths import PathTracker, path_ranks
 from telemetry.stats import StepStats
@@ -73,8 +74,9 @@ def make_logger(config: TelemetryConfig, stream: IO[str]) -> Any:
 class LogSink:
     """`ddtree.step` per decode step and `ddtree.request` per finished request.
 
-    A request's line lists its steps' accepted paths (node indices), found when it ends (`PathTracker`); a
-    share `tree_share` of the step lines carry each node's path rank and log-probability."""
+    A step line carries its accepted paths' ranks (`telemetry.chain`) where the loop read them back. A request's
+    line lists its steps' accepted paths (node indices), found when it ends (`PathTracker`); a share
+    `tree_share` of the step lines carry each node's path rank and log-probability."""
 
     def __init__(self, logger: Any, log_content: bool = False, trace_ids: Any = None, tree_share: float = 0.0) -> None:
         self.log = logger
@@ -107,6 +109,10 @@ class LogSink:
             sc.FIELD_START_NS: stats.start_ns,
             sc.FIELD_END_NS: stats.end_ns,
         }
+        ranks, chain = stats.path_ranks, stats.chain
+        if ranks is not None and chain is not None:  # a loop that reads back no ranks (SGLang's) leaves them out
+            fields[sc.FIELD_ACCEPTED_RANKS] = ranks
+            fields[sc.FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH] = per_depth(chain.off_parent_nodes, depth)
         if stats.parents is not None and stats.parents.shape[1] > 1 and sampled(stats.step, self.tree_share):
             fields[sc.FIELD_NODE_RANKS] = [path_ranks(row) for row in stats.parents.tolist()]
             if stats.log_probs is not None:

@@ -5,6 +5,15 @@ rate(ddtree_emitted_tokens_total[1m])                                       toke
 histogram_quantile(0.9, rate(ddtree_stage_duration_seconds_bucket[5m]))     p90 stage time, by stage
 sum by (depth) (rate(ddtree_accepted_tokens_per_depth_total[5m]))
   / sum by (depth) (rate(ddtree_tree_nodes_per_depth_total[5m]))           acceptance per tree node, by depth
+
+The tree against its chain (`telemetry.chain`; steps whose accepted ranks reached the collector, every step of
+a decode session):
+sum by (depth) (rate(ddtree_off_chain_accepted_tokens_per_depth_total[5m]))  accepted drafts not the top-1
+sum(rate(ddtree_tree_added_tokens_per_depth_total[5m]))
+  / sum(rate(ddtree_acceptance_length_count[5m]))                            tau(tree) - tau(its chain prefix)
+sum by (depth) (rate(ddtree_off_chain_parent_accepted_tokens_per_depth_total[5m]))
+  / sum by (depth) (rate(ddtree_off_chain_parent_nodes_per_depth_total[5m])) acceptance of a node whose
+                                                                             parent is off the chain
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from ddtree.observer import GenerateInfo, RequestResult
 from telemetry import semconv as sc
+from telemetry.chain import count_at
 from telemetry.stats import StepStats
 
 Labels = tuple[tuple[str, str], ...]
@@ -28,6 +38,16 @@ COUNTERS = (
     (sc.METRIC_EMITTED_TOKENS, "tokens returned to requests"),
     (sc.METRIC_ACCEPTED_PER_DEPTH, "accepted drafts by depth"),
     (sc.METRIC_TREE_NODES_PER_DEPTH, "tree nodes by depth"),
+    (sc.METRIC_OFF_CHAIN_ACCEPTED_PER_DEPTH, "accepted drafts that were not the drafter's top-1 at their depth"),
+    (sc.METRIC_TREE_ADDED_PER_DEPTH, "accepted drafts below where the path left the chain, by depth"),
+    (sc.METRIC_OFF_CHAIN_PARENT_ACCEPTED_PER_DEPTH, "accepted drafts whose parent is off the chain, by depth"),
+    (sc.METRIC_OFF_CHAIN_PARENT_NODES_PER_DEPTH, "tree nodes whose parent is off the chain, by depth"),
+)
+CHAIN_COUNTERS = (  # counter -> the `ChainCounts` list it adds
+    (sc.METRIC_OFF_CHAIN_ACCEPTED_PER_DEPTH, "off_chain"),
+    (sc.METRIC_TREE_ADDED_PER_DEPTH, "tree_added"),
+    (sc.METRIC_OFF_CHAIN_PARENT_ACCEPTED_PER_DEPTH, "off_parent"),
+    (sc.METRIC_OFF_CHAIN_PARENT_NODES_PER_DEPTH, "off_parent_nodes"),
 )
 
 
@@ -79,6 +99,12 @@ class MetricsSink:
             labels = (*method, (sc.LABEL_DEPTH, str(depth)))
             totals[sc.METRIC_TREE_NODES_PER_DEPTH][labels] += stats.nodes_per_depth[depth]
             totals[sc.METRIC_ACCEPTED_PER_DEPTH][labels] += stats.accepted_per_depth[depth]
+        chain = stats.chain
+        if chain is not None:
+            for depth in range(1, chain.depth + 1):
+                labels = (*method, (sc.LABEL_DEPTH, str(depth)))
+                for name, values in CHAIN_COUNTERS:
+                    totals[name][labels] += count_at(getattr(chain, values), depth)
         attributes = dict(method)
         for n, nodes in zip(stats.accepted, stats.tree_nodes, strict=True):
             self.acceptance_length.record(n + 1, attributes)

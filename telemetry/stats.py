@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ddtree.observer import GenerateInfo, RequestResult
+from telemetry.chain import ChainCounts, off_chain_parent_nodes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class StepStats:
     log_probs: npt.NDArray[np.float32] | None = None  # [active requests, 1+budget]: only with tree detail on
     warmup: bool = False  # the step carried compilation or graph capture: its times are not steady-state work
     rows: int | None = None  # rows the step ran (slots 0..rows-1, free ones included); None: one per request
+    ranks: npt.NDArray[np.int64] | None = None  # [active requests, depth]: the accepted path's ranks (columns
+    # past a row's accepted drafts are not its path); None: the loop read none back (SGLang's worker)
 
     @cached_property
     def tree_nodes(self) -> list[int]:
@@ -61,6 +64,24 @@ class StepStats:
             for d in range(1, min(n, len(counts) - 1) + 1):
                 counts[d] += 1
         return counts
+
+    @cached_property
+    def path_ranks(self) -> list[list[int]] | None:
+        """Per active request: the rank of each accepted draft at its depth, depth 1 first (0 = the drafter's
+        top-1 there; `telemetry.chain`); None where the step's ranks never reached the collector."""
+        if self.ranks is None:
+            return None
+        return [row[:n].tolist() for row, n in zip(self.ranks, self.accepted, strict=True)]
+
+    @cached_property
+    def chain(self) -> ChainCounts | None:
+        """The step's accepted drafts against the tree's chain, per depth (`telemetry.chain`); None without
+        ranks."""
+        if self.path_ranks is None:
+            return None
+        parents, depths = self.parents, self.depths
+        offered = [0] if parents is None or depths is None else off_chain_parent_nodes(parents, depths)
+        return ChainCounts.of(self.path_ranks, offered)
 
     @property
     def request_ids(self) -> list[str]:

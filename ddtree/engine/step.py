@@ -10,8 +10,8 @@ session's per-slot tensors (`Rows` views them), which the stages update in place
     verify      tree, ancestors, rows.cache -> choice [n, nodes] (the target's token at each node), features,
                 and with `logprobs` the target's log-probabilities at each node (scores)
     accept      tree, ancestors, choice -> result (AcceptResult); commits the accepted path to the caches
-    readout     result (and the tree, stamps when observed; the path's scores) -> out [n, columns], the one
-                host readback
+    readout     result (and the tree, the accepted path's ranks and stamps when observed; the path's scores)
+                -> out [n, columns], the one host readback
 
 The flags a step is made with (`sampled`, `filtered`, `logprobs`) are known at launch from the requests
 decoding, and are part of the step's graph key: a step in which no request samples, filters or asks for
@@ -129,4 +129,5 @@ def finish(m: StepModels, s: StepState) -> None:
     """What the host reads back (after the last stage and its stamp): the tokens, the probe if observed, and
     the path's log-probabilities if asked for."""
     tail, s.scored = (None, None) if s.scores is None else path_columns(s.scores, s.result.path)
-    s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps, tail)
+    depth = m.proposer.block - 1  # the deepest a tree of this proposer reaches: the path's rank columns
+    s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps, tail, depth)

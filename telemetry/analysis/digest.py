@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from telemetry import semconv as sc
+from telemetry.analysis.chain import chain_summary
 from telemetry.analysis.replay import ReplayTable, topk_grid
 from telemetry.analysis.steps import (
     Completeness,
@@ -402,6 +403,7 @@ class Digest:
             "acceptance_rate_per_depth": g.depth_rate(),
             "nodes_per_depth": [n / steps for n in g.nodes_per_depth],
             "accepted_per_depth": [a / steps for a in g.accepted_per_depth],
+            "chain": chain_summary(g.chain),  # what the tree added over its chain; None: no accepted ranks
             "acceptance_lengths": {
                 str(k): v for k, v in sorted(self.lengths.get((g.method, g.budget, g.topk), {}).items())
             },

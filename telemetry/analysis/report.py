@@ -6,6 +6,8 @@ plot has one figure size, `FIGSIZE` inches at `DPI`.
 - tokens per second over time: one line per configuration, a point per steady step (its emitted tokens over
   its own duration; a merged point in long runs, see `digest.StepSeries`), broken where the engine sat idle;
   warm-up steps are ticks on the time axis, not points.
+- what the tree added over its chain: per depth, accepted drafts per request-step against the part its own
+  chain would have accepted (`telemetry.analysis.chain`), from the step lines' accepted ranks.
 - predicted tau: the replay's curves; a measured tau is a black cross only where it was measured on the
   same requests as the replay (same ids, or same prompts where logged), a grey circle otherwise.
 - the report states how complete the log is and carries `ddtree advise`'s recommendation with its interval.
@@ -26,6 +28,7 @@ from matplotlib.figure import Figure
 
 from telemetry import semconv as sc
 from telemetry.analysis.advise import NO_COST, advise, recommendation_line
+from telemetry.analysis.chain import plot_chain
 from telemetry.analysis.digest import RELIABILITY_BINS, Digest
 
 FIGSIZE = (8.0, 4.5)
@@ -153,9 +156,14 @@ def _throughput(ax: Axes, d: Digest) -> None:
     ax.set_title("Tokens per second over time")
 
 
+def _chain(ax: Axes, d: Digest) -> None:
+    plot_chain(ax, [(g.label, g.chain) for g in d.sorted_configs()])
+
+
 PLOTS: dict[str, Plot] = {
     "acceptance_lengths": _lengths,
     "acceptance_per_depth": _depth_rate,
+    "tree_over_chain": _chain,
     "tree_utilisation": _utilisation,
     "reliability": _reliability,
     "predicted_tau": _predicted,

@@ -1,4 +1,5 @@
-"""JSON step logs -> a table per configuration, acceptance by depth, how complete the log is, and budget advice.
+"""JSON step logs -> a table per configuration, acceptance by depth, what the tree added over its chain (from the
+accepted ranks, `telemetry.analysis.chain`), how complete the log is, and budget advice.
 
 Reads the `ddtree.step` lines that `DDTREE_DEBUG_METRICS=1` writes. For each (method, budget, topk) it
 reports tau (mean accepted drafts + 1 per request-step), tokens per step, the time of each stage, and
@@ -27,6 +28,8 @@ from typing import Any
 
 from ddtree.methods import method_label
 from telemetry import semconv as sc
+from telemetry.analysis.chain import chain_table
+from telemetry.chain import ChainCounts
 
 
 def is_warmup(s: dict[str, Any]) -> bool:
@@ -106,6 +109,7 @@ class ConfigStats:
     nodes_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
     requests: RequestTally = field(default_factory=RequestTally)
+    chain: ChainCounts = field(default_factory=ChainCounts)  # the lines with accepted ranks (`telemetry.chain`)
 
     @property
     def label(self) -> str:
@@ -170,6 +174,10 @@ class ConfigStats:
             self.rows_steps += 1
         _add_into(self.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
         _add_into(self.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
+        ranks = s.get(sc.FIELD_ACCEPTED_RANKS)
+        if isinstance(ranks, list):  # older logs and loops that read no ranks back have none
+            offered = s.get(sc.FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH) or []
+            self.chain.merge(ChainCounts.of(ranks, [0, *offered]))
         if is_warmup(s):
             self.warmup_steps += 1
             return
@@ -326,4 +334,5 @@ def format_table(groups: list[ConfigStats]) -> str:
         if g.nodes_per_depth:
             rates = " ".join(f"{r:.2f}" for r in g.depth_acceptance())
             lines.append(f"{g.label}: accepted / verified nodes by depth: {rates}")
+    lines.extend(chain_table([(g.label, g.chain) for g in groups]))
     return "\n".join(lines)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.accept import accept
+from ddtree.accept import accept, accepted_ranks
 from ddtree.tree import ancestor_mask, build_tree
 
 
@@ -66,3 +66,45 @@ def test_accept_stops_at_the_first_mismatch() -> None:
     assert result.accepted.tolist() == [2]
     assert result.bonus.tolist() == [4]
     assert result.path_tokens[0, :3].tolist() == [7, 1, 2]
+
+
+def _ranks_reference(parents: list[int], path: list[int]) -> list[int]:
+    """Each accepted node's rank: how many of its siblings come before it in the tree."""
+    return [sum(1 for j in range(1, node) if parents[j] == parents[node]) for node in path[1:]]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_accepted_ranks_match_the_siblings_before_each_accepted_node(seed: int) -> None:
+    """On random trees, with a target that follows a random node's path (so that branches get accepted)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, depth, vocab, budget = 4, 5, 5, [3, 8, 16, 40][seed % 4]
+    tree = build_tree(torch.randn(batch, depth, vocab, generator=gen) * 2, budget)
+    choice = torch.randint(0, vocab, (batch, tree.width), generator=gen)
+    for b in range(batch):
+        node = int(torch.randint(1, int(tree.num_nodes[b]) + 1, (1,), generator=gen))
+        while node > 0:  # the target picks each node's token at its parent, up to the root
+            parent = int(tree.parents[b, node])
+            choice[b, parent] = tree.tokens[b, node]
+            node = parent
+    result = accept(tree, ancestor_mask(tree), choice, torch.zeros(batch, dtype=torch.long))
+    ranks = accepted_ranks(tree, result.path, depth)  # [batch, depth]
+    assert ranks.shape == (batch, min(depth, tree.width - 1))
+    offered = 0
+    for b in range(batch):
+        n = int(result.accepted[b])
+        path = result.path[b, : n + 1].tolist()
+        expect = _ranks_reference(tree.parents[b].tolist(), path)
+        assert ranks[b, :n].tolist() == expect
+        offered += sum(r > 0 for r in expect)
+    if budget >= 16:
+        assert offered, "some accepted node is off the chain"
+
+
+def test_a_chain_has_rank_zero_everywhere_and_a_root_alone_has_no_ranks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    chain = build_tree(torch.randn(2, 4, 6, generator=gen), 4, topk=1)  # dflash's tree
+    choice = torch.where(chain.tokens < 0, 0, chain.tokens).roll(-1, dims=1)  # the target agrees everywhere
+    result = accept(chain, ancestor_mask(chain), choice, torch.zeros(2, dtype=torch.long))
+    assert result.accepted.tolist() == [4, 4]
+    assert accepted_ranks(chain, result.path, 4).tolist() == [[0] * 4] * 2
+    assert accepted_ranks(chain, result.path, 0).shape == (2, 0)

@@ -253,7 +253,10 @@ def _probe(rows: int, stamps: list[int] | None) -> Any:
     tokens = np.array([[-1, r, r + 5, -1] for r in range(rows)], dtype=np.int64)  # [rows, 4]
     parents = np.tile(np.array([-1, 0, 1, -1], dtype=np.int64), (rows, 1))  # [rows, 4]
     log_probs = np.tile(np.array([0.0, -0.5, -1.0, -np.inf], dtype=np.float32), (rows, 1))  # [rows, 4]
-    return SimpleNamespace(depths=depths, tokens=tokens, parents=parents, log_probs=log_probs, stamps_ns=stamps)
+    ranks = np.zeros((rows, 3), dtype=np.int64)  # [rows, depth]: the accepted path's ranks (a chain: all 0)
+    return SimpleNamespace(
+        depths=depths, tokens=tokens, parents=parents, log_probs=log_probs, ranks=ranks, stamps_ns=stamps
+    )
 
 
 def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:
@@ -295,6 +298,7 @@ def test_a_stamped_step_takes_its_times_and_tree_from_the_probe(monkeypatch: pyt
     assert stats.depths is not None and stats.depths.tolist() == [[0, 1, 2, 0]]
     assert stats.tokens is not None and stats.tokens.tolist() == [[-1, 0, 5, -1]]
     assert stats.parents is not None and stats.parents.tolist() == [[-1, 0, 1, -1]]
+    assert stats.path_ranks == [[0]], "the decoding row's ranks, cut to its accepted drafts"
     assert stats.log_probs is not None and np.array_equal(stats.log_probs, [[0.0, -0.5, -1.0, -np.inf]])
     assert stats.tree_nodes == [2] and stats.nodes_per_depth == [0, 1, 1, 0]
 

@@ -77,6 +77,8 @@ def test_the_collector_and_its_sinks_make_no_host_reads(method: str, depth: int,
     assert guard.violations == []
     assert set(guard.calls) == HOOKS, "every hook ran under the guard"
     assert captured.log_lines() and captured.spans.get_finished_spans(), "the sinks ran"
+    steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
+    assert all(sc.FIELD_ACCEPTED_RANKS in s for s in steps), "the accepted ranks rode the readback, unguarded"
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
@@ -119,6 +121,7 @@ def test_the_collector_copies_the_tree_itself_without_host_reads() -> None:
     assert guard.calls["on_tree"] > 0 and "on_probe" not in guard.calls
     steps = [line for line in captured.log_lines() if line["event"] == sc.EVENT_STEP]
     assert steps and any(sum(s["nodes_per_depth"]) > 0 for s in steps), "the tree reached the step logs"
+    assert not any(sc.FIELD_ACCEPTED_RANKS in s for s in steps), "no probe, no ranks: none made up"
 
 
 def test_the_deployed_observer_makes_no_host_reads(tmp_path: Path) -> None:

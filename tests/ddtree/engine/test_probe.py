@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.accept import AcceptResult
+from ddtree.accept import AcceptResult, accepted_ranks
 from ddtree.engine.probe import ProbeLayout, readout, split_rows
 from ddtree.tree import build_tree
 
@@ -58,4 +58,12 @@ def test_the_device_row_comes_back_as_the_tree(stamped: bool) -> None:
     assert np.array_equal(probe.parents, tree.parents.numpy())
     assert probe.log_probs.dtype == np.float32 and np.array_equal(probe.log_probs, tree.log_probs.numpy())
     assert np.isneginf(probe.log_probs).any(), "the tree has padding"
-    assert probe.stamps_ns == ([5, 8, 13, 21, 34] if stamped else None)
+    assert layout.ranks == 4 and np.array_equal(probe.ranks, accepted_ranks(tree, result.path, 9).numpy())
+    assert probe.stamps_ns == ([5, 8, 13, 21, 34] if stamped else None), "the stamps come after the ranks"
+
+
+def test_the_ranks_sit_between_the_tree_and_the_stamps() -> None:
+    """A hand-made row with 2 rank columns: the probe cuts them out, and the stamps after them."""
+    row = [0, 7, 9, *[0, 1, 1], *[-1, 5, 6], *[-1, 0, 0], *[0, 0, 0], *[1, 1], *[100, 250]]
+    tokens, probe = split_rows(np.array([row], dtype=np.int64), ProbeLayout(start=3, nodes=3, stamps=2, ranks=2))
+    assert tokens == [[0, 7, 9]] and probe.ranks.tolist() == [[1, 1]] and probe.stamps_ns == [100, 250]
