@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddtree.errors import SettingsError
+from ddtree.methods import check_tree
+
 BUDGET_ENV = "SGLANG_DDTREE_BUDGET"
 TOPK_ENV = "SGLANG_DDTREE_TOPK"
 DEFAULT_BUDGET = 32
@@ -43,22 +46,23 @@ class DDTreeSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DDTreeSettings:
         env = os.environ if env is None else env
-        budget = _positive_int(env, BUDGET_ENV)
-        topk = _positive_int(env, TOPK_ENV)
-        return cls(budget=DEFAULT_BUDGET if budget is None else budget, topk=topk)
+        budget, topk = _int(env, BUDGET_ENV), _int(env, TOPK_ENV)
+        settings = cls(budget=DEFAULT_BUDGET if budget is None else budget, topk=topk)
+        try:
+            check_tree("ddtree", settings.budget, settings.topk)  # the one check of a tree's settings
+        except SettingsError as exc:
+            raise DDTreeConfigError(exc.named({"budget": BUDGET_ENV, "topk": TOPK_ENV}[exc.setting])) from None
+        return settings
 
 
-def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+def _int(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name, "").strip()
     if not raw:
         return None
     try:
-        value = int(raw)
+        return int(raw)
     except ValueError:
         raise DDTreeConfigError(f"{name} must be an integer >= 1, got {raw!r}") from None
-    if value < 1:
-        raise DDTreeConfigError(f"{name} must be an integer >= 1, got {value}")
-    return value
 
 
 def check_attention_backends(args: Any) -> None:
