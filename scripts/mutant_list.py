@@ -51,7 +51,12 @@ def mutants() -> list[Mutant]:
             "tree-one-candidate-per-depth",
             "top-k forced to 1: the tree degenerates to a chain",
             "ddtree/tree.py",
-            (("k = min(budget, vocab) if topk is None else topk", "k = 1 if topk is None else topk"),),
+            (
+                (
+                    "return batch, depth, vocab, min(budget, vocab) if topk is None else topk",
+                    "return batch, depth, vocab, 1 if topk is None else topk",
+                ),
+            ),
             TREE,
         ),
         Mutant(
