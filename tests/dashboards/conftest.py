@@ -149,6 +149,8 @@ def _under_load(url: str, gpu_port: int, tmp: Path) -> Iterator[Run]:
         generated = sum(v for _, v in scrape(server_port).get(sc.PROM_GENERATION_TOKENS_TOTAL, []))
         assert generated > 2 * len(PROMPTS)  # tokens past each request's first one came from decode steps
         assert wait_for(lambda: any("dropped_spans" in n for n in scrape(server_port)))
+        # the exporter process's step metrics trail the responses (more so on a loaded machine)
+        assert wait_for(lambda: f"{sc.PROM_ACCEPTANCE_LENGTH}_count" in scrape(server_port))
         assert wait_for(lambda: any("gpu" in n for n in scrape(gpu_port)))
         yield Run(url, gpu_port, port, _served(server_port, gpu_port))
 
