@@ -55,17 +55,27 @@ def sibling_ranks(parents: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return np.where(parents >= 0, ranks, 0)
 
 
+def path_max_ranks(parents: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """[rows, nodes]: each node's path rank, the largest sibling rank on its path, itself included (0: the node
+    is on the chain); 0 for the root and padding. `parents` as for `sibling_ranks`."""
+    has_parent = parents >= 0
+    up = np.where(has_parent, parents, 0)  # [rows, nodes]
+    best = sibling_ranks(parents)  # [rows, nodes]
+    while True:  # a pass per depth: parents come before their children
+        deeper = np.maximum(best, np.where(has_parent, np.take_along_axis(best, up, axis=1), 0))
+        if np.array_equal(deeper, best):
+            return best
+        best = deeper
+
+
 def off_chain_parent_nodes(parents: npt.NDArray[np.int64], depths: npt.NDArray[np.int64]) -> list[int]:
     """Index d: the tree's nodes at depth d whose parent is off the chain, over all rows (index 0 unused)."""
     rows, nodes = parents.shape
     if not rows or nodes <= 1:
         return [0]
     has_parent = parents >= 0
-    up = np.where(has_parent, parents, 0)  # [rows, nodes]
-    off = sibling_ranks(parents) > 0  # [rows, nodes]: off the chain at its own depth, for a start
-    for _ in range(int(depths.max())):  # parents come before children: a pass per depth settles every path
-        off = off | (np.take_along_axis(off, up, axis=1) & has_parent)
-    parent_off = np.take_along_axis(off, up, axis=1) & has_parent  # [rows, nodes]
+    off = path_max_ranks(parents) > 0  # [rows, nodes]
+    parent_off = np.take_along_axis(off, np.where(has_parent, parents, 0), axis=1) & has_parent  # [rows, nodes]
     counts = np.bincount(depths[parent_off], minlength=int(depths.max()) + 1)
     return [0, *(int(n) for n in counts[1:])]
 

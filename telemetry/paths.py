@@ -13,7 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ddtree.observer import RequestResult
+from telemetry.chain import path_max_ranks
 from telemetry.stats import StepStats
 
 
@@ -35,17 +38,9 @@ def accepted_path(tokens: Sequence[int], parents: Sequence[int], path_tokens: Se
 def path_ranks(parents: Sequence[int]) -> list[int]:
     """Per draft node 1..n: the largest sibling rank (0 = its parent's most probable child) on its path.
     Nodes come in order of decreasing probability, so a node's rank is the number of siblings before it."""
-    best = [0] * len(parents)
-    children = [0] * len(parents)
-    count = 0
-    for i in range(1, len(parents)):
-        p = parents[i]
-        if p < 0:  # padding: the real nodes are 1..n
-            break
-        best[i] = max(children[p], best[p])
-        children[p] += 1
-        count = i
-    return best[1 : count + 1]
+    count = next((i for i in range(1, len(parents)) if parents[i] < 0), len(parents)) - 1  # padding: past n
+    ranks = path_max_ranks(np.asarray([parents], dtype=np.int64))  # [1, nodes]
+    return [int(r) for r in ranks[0, 1 : count + 1]]
 
 
 @dataclass
