@@ -213,8 +213,7 @@ def _share_cores(settings: ServerSettings, plan: tp.Plan) -> None:
     threads that spin waiting for a core that an API process holds slow every step several times over."""
     if os.environ.get("OMP_NUM_THREADS") or resolve_device(settings.options.device).type != "cpu":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores - plan.api_count))
+    torch.set_num_threads(max(1, tp.usable_cores() - plan.api_count))
 
 
 def engine_main(settings: ServerSettings, plan: tp.Plan, ready: Connection) -> None:

@@ -57,7 +57,7 @@ def serve(settings: ServerSettings, host: str, port: int) -> int:
 def default_api_servers(cores: int | None = None) -> int:
     """A quarter of the cores, 1 to MAX_AUTO_API_SERVERS: the rest is the engine's and the clients'."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = tp.usable_cores()
     return max(1, min(MAX_AUTO_API_SERVERS, cores // 4))
 
 

@@ -143,6 +143,11 @@ def try_send(sock: zmq.Socket[Any], message: ToEngine | ToApi) -> bool:
     return True
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: the launcher divides them between the engine and the API processes."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parent_gone(plan: Plan) -> bool:
     """The launcher has died (this process was re-parented): time to end."""
     return os.getppid() != plan.launcher_pid
