@@ -1,9 +1,10 @@
 """A decode's settings: what a batch of requests decodes with, checked and resolved in this one place.
 
 - `GenerationConfig`: the method, its tree (a budget and top-k, or a budget schedule), sampling and limits.
-- `check_generation`: the one check of those values; `check_sampling`: the part a single request carries
-  (the engine checks each joining request with it). Both raise `SettingsError` in the words of the values
-  (`budget must be >= 1, got 0`); the CLI names the flag and the server the request's field.
+- `check_generation`: the one check of those values; `check_request_settings`: the part a single request
+  carries, its limit and sampling (the engine checks each joining request with it, the server each body).
+  Both raise `SettingsError` in the words of the values (`budget must be >= 1, got 0`); the CLI names the
+  flag and the server the request's field.
 - `tree_shapes`: the one resolution of the settings into the trees a step verifies, on a drafter of a
   given depth (`ShapeSchedule`: one shape, or a schedule's by the rows a step runs).
 
@@ -46,15 +47,17 @@ def check_generation(config: GenerationConfig, vocab_size: int | None = None, pr
         raise SettingsError(
             "schedule", f"needs method 'ddtree' (a budget schedule chooses ddtree trees), got method {config.method!r}"
         )
-    if config.max_new_tokens < 1:
-        raise SettingsError("max_new_tokens", f"must be >= 1, got {config.max_new_tokens}")
     if not 0 <= config.seed <= SEED_LIMIT - prompts:
         raise SettingsError("seed", f"must be in 0..{SEED_LIMIT - prompts} (for {prompts} prompts), got {config.seed}")
-    check_sampling(config.temperature, config.top_p, config.top_k, config.logprobs)
+    check_request_settings(config.max_new_tokens, config.temperature, config.top_p, config.top_k, config.logprobs)
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int, logprobs: int | None) -> None:
-    """SettingsError for a temperature, top-p, top-k or logprobs setting out of range."""
+def check_request_settings(
+    max_new_tokens: int, temperature: float, top_p: float, top_k: int, logprobs: int | None
+) -> None:
+    """SettingsError for a request's limit, temperature, top-p, top-k or logprobs setting out of range."""
+    if max_new_tokens < 1:
+        raise SettingsError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise SettingsError("temperature", f"must be a finite number >= 0, got {temperature}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):

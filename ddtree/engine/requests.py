@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 
 from ddtree.engine.logprobs import LogprobLayout, read_row
-from ddtree.errors import SettingsError
-from ddtree.settings import check_sampling
+from ddtree.settings import check_request_settings
 
 Alternatives = list[tuple[int, float]]  # (token id, log-probability), most probable first
 
@@ -151,9 +150,8 @@ def check_request(request: Request, needed: int, capacity: int) -> None:
     """A request a session can take: a prompt, a limit, sampling within range (SettingsError) and the room."""
     if not request.prompt:
         raise ValueError("every prompt needs at least one token")
-    if request.max_new_tokens < 1:
-        raise SettingsError("max_new_tokens", f"must be >= 1, got {request.max_new_tokens}")
-    check_sampling(request.temperature, request.top_p, request.top_k, request.logprobs)
+    r = request
+    check_request_settings(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.logprobs)
     if needed > capacity:
         raise ValueError(
             f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"

@@ -10,7 +10,7 @@ from ddtree.errors import SettingsError
 from ddtree.methods import check_tree
 from ddtree.schedule import BudgetSchedule, Choice
 from ddtree.server.errors import settings_error
-from ddtree.settings import SEED_LIMIT, GenerationConfig, check_generation, check_sampling, tree_shapes
+from ddtree.settings import SEED_LIMIT, GenerationConfig, check_generation, check_request_settings, tree_shapes
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_the_cli_and_the_server_translate_the_one_error() -> None:
     error = settings_error(raised.value)
     assert (error.status, error.param, error.message) == (400, "max_tokens", "max_tokens must be >= 1, got 0")
     with pytest.raises(SettingsError) as sampled:
-        check_sampling(0.5, 1.5, 0, None)
+        check_request_settings(8, 0.5, 1.5, 0, None)
     assert settings_error(sampled.value).param == "top_p"
 
 
