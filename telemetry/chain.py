@@ -95,7 +95,7 @@ class ChainCounts:
     def of(cls, paths: Iterable[Sequence[int]], off_parent_nodes: Sequence[int] = (0,)) -> ChainCounts:
         counts = cls()
         counts.add_paths(paths)
-        _add_into(counts.off_parent_nodes, off_parent_nodes)
+        add_into(counts.off_parent_nodes, off_parent_nodes)
         return counts
 
     def add_paths(self, paths: Iterable[Sequence[int]]) -> None:
@@ -119,7 +119,7 @@ class ChainCounts:
             (self.off_parent, other.off_parent),
             (self.off_parent_nodes, other.off_parent_nodes),
         ):
-            _add_into(mine, theirs)
+            add_into(mine, theirs)
 
     @property
     def depth(self) -> int:
@@ -160,7 +160,8 @@ def _grow(length: int, *lists: list[int]) -> None:
         values.extend([0] * (length + 1 - len(values)))
 
 
-def _add_into(total: list[int], values: Sequence[int]) -> None:
+def add_into(total: list[int], values: Sequence[int]) -> None:
+    """Add `values` into `total` elementwise, `total` grown with zeros to their length."""
     _grow(len(values) - 1, total)
     for i, v in enumerate(values):
         total[i] += v

@@ -29,7 +29,7 @@ from typing import Any
 from ddtree.methods import method_label
 from telemetry import semconv as sc
 from telemetry.analysis.chain import chain_table
-from telemetry.chain import ChainCounts
+from telemetry.chain import ChainCounts, add_into
 
 
 def is_warmup(s: dict[str, Any]) -> bool:
@@ -172,8 +172,8 @@ class ConfigStats:
         if (ran := rows(s)) is not None:
             self.rows += ran
             self.rows_steps += 1
-        _add_into(self.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
-        _add_into(self.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
+        add_into(self.nodes_per_depth, s[sc.FIELD_NODES_PER_DEPTH])
+        add_into(self.accepted_per_depth, s[sc.FIELD_ACCEPTED_PER_DEPTH])
         ranks = s.get(sc.FIELD_ACCEPTED_RANKS)
         if isinstance(ranks, list):  # older logs and loops that read no ranks back have none
             offered = s.get(sc.FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH) or []
@@ -287,12 +287,6 @@ def summarise(steps: Iterable[dict[str, Any]]) -> list[ConfigStats]:
 
 def sort_configs(groups: Iterable[ConfigStats]) -> list[ConfigStats]:
     return sorted(groups, key=lambda g: (g.method, g.budget, g.topk or 0))
-
-
-def _add_into(total: list[int], values: list[int]) -> None:
-    total.extend([0] * (len(values) - len(total)))
-    for i, v in enumerate(values):
-        total[i] += v
 
 
 def warmup_note(groups: list[ConfigStats]) -> str:
