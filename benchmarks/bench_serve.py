@@ -11,6 +11,8 @@ generator is not what caps the server (its own ceiling: `benchmarks/stub_server.
 once, and the README's numbers). Reported: requests/s and output tokens/s over the wall time, TTFT (request
 sent to first text chunk), ITL (gaps between text chunks; a ddtree step can carry several tokens in one
 chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)), as p50/p99. Tokens are the server's `usage`.
+With the server's `/metrics`, also its own mean TTFT (handler start to first token) and queue time (submitted
+to joined a slot) over the load: what of a client's TTFT the server spent.
 `--spawn` starts `ddtree serve` itself for each `--method` or `--serve LABEL=ARGS` (on a free port), waits
 for /health, runs each load of `--clients` (a comma-separated list: one load after the other on the same
 server, whose slots are the largest load's), then stops it with SIGTERM. With several servers each load's
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from telemetry import semconv as sc
 
 PROMPTS = [
     "The quick brown fox",
@@ -147,7 +151,45 @@ def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+DEFAULT_REQUESTS = 32
+SERVER_TIMES = {  # the server's own histograms (their means over a load): where a client's TTFT goes
+    "server_ttft_mean_ms": sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS,  # handler start to first token
+    "server_queue_mean_ms": sc.PROM_REQUEST_QUEUE_TIME_SECONDS,  # engine: submitted to joined a slot
+}
+
+
+def server_times(url: str) -> dict[str, tuple[float, float]]:
+    """The (sum, count) of each of `SERVER_TIMES`' histograms in the server's /metrics (summed over labels);
+    empty where the server has no /metrics (the stub)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in SERVER_TIMES.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples if family.name in totals else []:
+            if sample.name.endswith("_sum"):
+                totals[family.name][0] += sample.value
+            elif sample.name.endswith("_count"):
+                totals[family.name][1] += sample.value
+    return {name: (total[0], total[1]) for name, total in totals.items()}
+
+
 def run_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The load, with the server's own mean TTFT and queue time over it where it has /metrics."""
+    before = server_times(url)
+    stats = _run_load(url, args)
+    after = server_times(url)
+    for key, name in SERVER_TIMES.items():
+        if name in before and name in after:
+            total, count = (a - b for a, b in zip(after[name], before[name], strict=True))
+            stats[key] = 1e3 * total / count if count else float("nan")
+    return stats
+
+
+def _run_load(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """The load: in this process, or split over `args.processes` processes (clients and requests shared out
     evenly, started together; the wall time runs from the first start to the last end)."""
     processes = max(1, min(args.processes, args.clients))
@@ -210,13 +252,18 @@ def report(label: str, stats: dict[str, Any], baseline: dict[str, Any] | None = 
     versus = f" ({stats['out_tok_per_s'] / baseline['out_tok_per_s']:.2f}x)" if baseline else ""
     steps = sum(stats["step_budgets"].values()) or 1
     budgets = ", ".join(f"B={b} {n / steps:.0%}" for b, n in stats["step_budgets"].items())
+    server = ""
+    if "server_ttft_mean_ms" in stats:
+        ttft, queue = stats["server_ttft_mean_ms"], stats["server_queue_mean_ms"]
+        server = f" | server: TTFT mean {ttft:.1f} ms, queue {queue:.1f} ms"
     print(
         f"{label}, {stats['clients']} clients{versus}: {stats['requests']:.0f} requests ({stats['failed']:.0f} "
         f"failed), {stats['tokens']:.0f} output "
         f"tokens in {stats['wall_s']:.2f} s | {stats['req_per_s']:.2f} req/s, {stats['out_tok_per_s']:.1f} out tok/s"
         f" | TTFT p50 {stats['ttft_p50_ms']:.1f} ms p99 {stats['ttft_p99_ms']:.1f} ms"
         f" | ITL p50 {stats['itl_p50_ms']:.1f} ms p99 {stats['itl_p99_ms']:.1f} ms"
-        f" | TPOT p50 {stats['tpot_p50_ms']:.1f} ms p99 {stats['tpot_p99_ms']:.1f} ms | steps: {budgets or '-'}",
+        f" | TPOT p50 {stats['tpot_p50_ms']:.1f} ms p99 {stats['tpot_p99_ms']:.1f} ms | steps: {budgets or '-'}"
+        + server,
         flush=True,
     )
 
@@ -256,10 +303,7 @@ def spawn_and_run(
             if args.warmup:
                 warm = argparse.Namespace(**{**vars(args), "requests": args.warmup, "clients": 1})
                 run_load(url, warm)
-            loads = [
-                argparse.Namespace(**{**vars(args), "clients": c, "requests": _requests(args, c)}) for c in args.clients
-            ]
-            return [run_load(url, load) for load in loads]
+            return [_measured(url, _load(args, c)) for c in args.clients]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -267,6 +311,14 @@ def spawn_and_run(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _measured(url: str, load: argparse.Namespace) -> dict[str, Any]:
+    """The load, run once untimed first with `--warm-load` (its figures kept under `cold`)."""
+    if not load.warm_load:
+        return run_load(url, load)
+    cold = run_load(url, load)
+    return {**run_load(url, load), "cold": cold}
 
 
 def _server_spec(spec: str) -> tuple[str, list[str]]:
@@ -290,11 +342,11 @@ def main() -> int:
         "--serve", action="append", default=[], metavar="LABEL=ARGS", help="with --spawn: a server, its `serve` flags"
     )
     parser.add_argument("--clients", type=_counts, default=[8], help="concurrent clients; a list: loads in turn")
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=None, help=f"requests in all (default: {DEFAULT_REQUESTS})")
     parser.add_argument(
         "--processes", type=int, default=1, help="load processes the clients are spread over (asyncio in each)"
     )
-    parser.add_argument("--requests-per-client", type=int, default=None, help="requests = clients x this")
+    parser.add_argument("--requests-per-client", type=int, default=None, help="at least clients x this requests")
     parser.add_argument("--out", default=None, help="write every load's figures here as JSON")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
@@ -309,6 +361,12 @@ def main() -> int:
     parser.add_argument("--model-name", default=None, help="the request's `model` (default: none)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--warmup", type=int, default=2, help="with --spawn: requests before measuring")
+    parser.add_argument(
+        "--warm-load",
+        action="store_true",
+        help="run each load once untimed before the timed run, as `ddtree bench` does on CUDA (a fresh server "
+        "captures a prefill graph per new shape of joining prompts); the untimed run's figures are kept as `cold`",
+    )
     parser.add_argument("--max-batch-size", type=int, default=None, help="with --spawn (default: --clients)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", default="/tmp", help="with --spawn: where the server logs go")
@@ -317,7 +375,9 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     if args.url:
         for clients in args.clients:
-            results.append({"server": args.url, **run_load(args.url.rstrip("/"), _load(args, clients))})
+            results.append({"server": args.url, **_measured(args.url.rstrip("/"), _load(args, clients))})
+            if "cold" in results[-1]:
+                report(f"{args.url} (untimed, cold)", results[-1]["cold"])
             report(args.url, results[-1])
     else:
         model, drafter = args.spawn
@@ -329,6 +389,8 @@ def main() -> int:
             first = first or loads
             for load, base in zip(loads, first, strict=True):
                 results.append({"server": label, **load})
+                if "cold" in load:
+                    report(f"{label} (untimed, cold)", load["cold"])
                 report(label, load, base if first is not loads else None)
             if args.out:  # after each server: what was measured survives a run cut short
                 Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -347,7 +409,10 @@ def _load(args: argparse.Namespace, clients: int) -> argparse.Namespace:
 
 
 def _requests(args: argparse.Namespace, clients: int) -> int:
-    return int(clients * args.requests_per_client if args.requests_per_client else args.requests)
+    """`--requests`, or `--requests-per-client` times the clients where that is more."""
+    if args.requests is None and args.requests_per_client is None:
+        return DEFAULT_REQUESTS
+    return max(args.requests or 0, clients * (args.requests_per_client or 0))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@
 # httpx). hybrid times a random Qwen3.5-style target at a real shape (benchmarks/hybrid_step.py; needs no GGUF);
 # hybrid-tests runs the hybrid tests on the GPU (needs pytest and hypothesis).
 # served-engine and served: the server against the engine in the same slots (1, 4, 16, 64), on the held-out
-# prompts: `bench --continuous` for ar, B=16 and auto (served-engine), then `ddtree serve` for each under as many
-# streaming clients (bench_serve.py --heldout --chat over LOAD_PROCESSES load processes, default 4) and the load
-# generator's ceiling against stub_server.py (served). SCHEDULE names the schedule auto follows (default
-# WORK/schedule.json).
+# prompts (four times over at 64, so that the steady state outweighs the start): `bench --continuous` for ar,
+# B=16 and auto (served-engine), then `ddtree serve` for each under as many streaming clients (bench_serve.py
+# --heldout --chat over LOAD_PROCESSES load processes, default 4), the load generator's ceiling against
+# stub_server.py, and the table (served). SCHEDULE names the schedule auto follows (default WORK/schedule.json).
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -43,14 +43,17 @@ bench() {  # batch, prompts, budgets, extra
 if has bench1; then bench 1 8 8,16,32,64 | tee -a "${LOG:-/dev/null}"; fi
 if has bench16; then bench 16 64 16,32,64; fi
 if has bench64; then bench 64 64 16,32,64; fi
+x4() {  # the held-out prompts four times over, as JSON lines in $1
+  $PY -c "import sys; from ddtree.data import heldout_prompts; import json; \
+open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$1"
+}
 cont() {  # slots, extra
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --max-new-tokens 128 --methods ar,ddtree --budgets 16 \
     --continuous --batch-size "$1" --out "$work/cont_b$1${BENCH_TAG:-}.json" ${BENCH_ARGS:-} "${@:2}"
 }
 if has cont16; then cont 16 --num-prompts 64; fi
 if has cont64; then
-  $PY -c "import sys; from ddtree.data import heldout_prompts; import json; \
-open(sys.argv[1], 'w').writelines(json.dumps({'prompt': p}) + '\n' for p in heldout_prompts() * 4)" "$work/x4.jsonl"
+  x4 "$work/x4.jsonl"
   cont 64 --prompts "$work/x4.jsonl"
 fi
 if has stream; then
@@ -76,20 +79,24 @@ if has serve; then
     --log-dir "$work" --out "$work/serve.json"
 fi
 sched=${SCHEDULE:-$work/schedule.json}
-if has served-engine; then
-  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree --budgets 16 \
-    --batch-sizes 1,4,16,64 --continuous --num-prompts 64 --max-new-tokens 128 --budget-schedule "$sched" \
-    --out "$work/engine-rows.json"
+if has served-engine; then  # 64 prompts in 1, 4 and 16 slots; 256 in 64 (as the served loads)
+  x4 "$work/x4.jsonl"
+  for part in "1,4,16 --num-prompts 64" "64 --prompts $work/x4.jsonl"; do
+    $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree --budgets 16 \
+      --continuous --max-new-tokens 128 --budget-schedule "$sched" --batch-sizes ${part} --out "$work/engine-rows-${part%% *}.json"
+  done
 fi
-if has served; then
+if has served; then  # 64 requests, and 4 per client where that is more (256 at 64 clients)
   $PY benchmarks/bench_serve.py --spawn "$target" "$drafter" --serve "ar=--method ar" --serve "B=16=--budget 16" \
-    --serve "auto=--budget-schedule $sched" --clients 1,4,16,64 --requests 64 --max-tokens 128 --heldout --chat \
-    --processes "${LOAD_PROCESSES:-4}" --serve-arg=--dtype --serve-arg=bfloat16 --log-dir "$work" --out "$work/served.json"
+    --serve "auto=--budget-schedule $sched" --clients 1,4,16,64 --requests 64 --requests-per-client 4 --max-tokens 128 \
+    --heldout --chat --processes "${LOAD_PROCESSES:-4}" --serve-arg=--dtype --serve-arg=bfloat16 --log-dir "$work" \
+    --out "$work/served.json"
   $PY benchmarks/stub_server.py --port 8399 --processes 4 & stub=$!
   sleep 2
   $PY benchmarks/bench_serve.py --url http://127.0.0.1:8399 --clients 64 --requests 256 --max-tokens 128 \
     --processes "${LOAD_PROCESSES:-4}" --out "$work/ceiling.json"
   kill $stub
+  $PY benchmarks/served_table.py "$work/engine-rows-1,4,16.json,$work/engine-rows-64.json" "$work/served.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
 if has hybrid-tests; then  # the hybrids' GDN and SSM kernels, compiled regions and lossless tests on the GPU

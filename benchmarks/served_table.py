@@ -1,11 +1,13 @@
 """Served against the engine in the same slots: the README's table from `gpu_bench.sh`'s served steps.
 
-    python benchmarks/served_table.py ENGINE_ROWS.json SERVED.json [LABEL=METHOD ...]
+    python benchmarks/served_table.py ENGINE_ROWS.json[,MORE_ROWS.json] SERVED.json [LABEL=METHOD ...]
 
-ENGINE_ROWS is `ddtree bench --continuous --out` (rows by batch size and method), SERVED `bench_serve.py --out`
+ENGINE_ROWS is `ddtree bench --continuous --out` (rows by batch size and method; several files, comma-separated,
+where the slot counts were benched on different prompt sets), SERVED `bench_serve.py --out`
 (loads by server label and clients). Each server label is matched to its engine row: `ar` to ar, `B=N` to
 ddtree at budget N, `auto` to the schedule's row, or as LABEL=METHOD says (METHOD as the engine row's label:
-`ar`, `ddtree B=16`, `auto`). Prints one markdown row per load: tokens/s served, by the engine, and their ratio.
+`ar`, `ddtree B=16`, `auto`). Prints one markdown row per load: tokens/s served, by the engine, and their
+ratio; then the TTFT p99 of each load, with the server's own mean TTFT where it was measured.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def default_match(label: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    engine = json.loads(Path(argv[0]).read_text())
+    engine = [row for name in argv[0].split(",") for row in json.loads(Path(name).read_text())]
     served = json.loads(Path(argv[1]).read_text())
     match = dict(tuple(arg.split("=", 1)) for arg in argv[2:])
     rows = {(engine_label(r), int(r["batch_size"])): float(r["tokens_per_second"]) for r in engine}
@@ -46,6 +48,9 @@ def main(argv: list[str]) -> int:
             ratio = f" = **{load['out_tok_per_s'] / alone:.2f}x**" if alone else ""
             cells.append(f"{load['out_tok_per_s']:.0f} / {alone or float('nan'):.0f}{ratio}")
         print(f"| {clients} | " + " | ".join(cells) + " |")
+    for s in served:
+        own = f" (server's mean {s['server_ttft_mean_ms']:.1f} ms)" if "server_ttft_mean_ms" in s else ""
+        print(f"{s['server']}, {s['clients']} clients: TTFT p99 {s['ttft_p99_ms']:.1f} ms{own}")
     return 0
 
 

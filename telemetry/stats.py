@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from ddtree.observer import GenerateInfo, RequestResult
 from telemetry.chain import ChainCounts, off_chain_parent_nodes
+from telemetry.tally import reached_per_depth
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,7 @@ class StepStats:
     def accepted_per_depth(self) -> list[int]:
         """Index d: active requests that accepted a draft at depth d (same length as `nodes_per_depth`: a step
         whose tree's depths never reached the collector counts its accepted drafts in `accepted` only)."""
-        counts = [0] * len(self.nodes_per_depth)
-        for n in self.accepted:
-            for d in range(1, min(n, len(counts) - 1) + 1):
-                counts[d] += 1
-        return counts
+        return [0, *reached_per_depth(self.accepted, len(self.nodes_per_depth) - 1)]
 
     @cached_property
     def path_ranks(self) -> list[list[int]] | None:

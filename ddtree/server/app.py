@@ -325,20 +325,24 @@ def _refused(state: ServerState, exc: QueueFull | WorkerStopped) -> ApiError:
 
 
 async def _events(state: ServerState, generation: Generation, reply: Reply) -> AsyncIterator[str]:
-    """The SSE stream. Its end, a failure or a cancelled stream (the client went away) cancels the job."""
+    """The SSE stream, an event per piece of text. Events the handler has without waiting (it fell behind
+    its engine) go out in one write. Its end, a failure or a cancelled stream (the client went away) cancels
+    the job."""
+    unsent = ""
     try:
         for chunk in reply.opening():
             yield chunk
         while (piece := await generation.next_text()) is not None:
             scored = generation.take_unsent()
             if piece or scored:  # a chunk carries the log-probabilities of the tokens it completes
-                yield reply.piece(piece, generation.formatter.block(scored) if generation.formatter else None)
-        for chunk in reply.ending(generation.finish_reason or "length", *_blocks(state, generation)):
-            yield chunk
+                unsent += reply.piece(piece, generation.formatter.block(scored) if generation.formatter else None)
+            if unsent and not generation.ready():
+                yield unsent
+                unsent = ""
+        yield unsent + "".join(reply.ending(generation.finish_reason or "length", *_blocks(state, generation)))
     except GenerationFailed as exc:
         failed = ApiError(500, f"generation failed: {exc}", "server_error")
-        yield f"data: {failed.body_json()}\n\n"
-        yield "data: [DONE]\n\n"
+        yield f"{unsent}data: {failed.body_json()}\n\ndata: [DONE]\n\n"
     finally:
         generation.close()
         _ended(generation)

@@ -46,6 +46,8 @@ class Generation:
         self._text = text
         self.meter = meter
         self._pending: Update | None = None
+        self._queued_tokens = 0  # in `_updates`: their tokens, and how many of them end the request
+        self._queued_ends = 0
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
         self.step_budgets: list[int] = []
@@ -85,6 +87,15 @@ class Generation:
             text += self._take(await self._next_update())
         return text
 
+    def ready(self) -> bool:
+        """`next_text` would return without waiting: the updates already here complete a piece or end the
+        request. The stream writes what it has only when this is False, so that a handler behind its engine
+        sends the steps it caught up on in one write (one SSE event each still)."""
+        if self.finish_reason is not None or self._queued_ends:
+            return True
+        pending = len(self._pending.token_ids) if self._pending is not None else 0
+        return pending + self._queued_tokens >= self._interval
+
     def take_unsent(self) -> list[tuple[int, Scored]]:
         """The scored tokens that no stream chunk has carried yet (for the next one)."""
         unsent = self.scored[len(self.scored) - self.unsent :] if self.unsent else []
@@ -100,7 +111,7 @@ class Generation:
     def abandon(self) -> None:
         """The client went away: cancel the job and wake whoever waits on it."""
         self._worker.cancel(self.job)
-        self._updates.put_nowait(Update([], [], error=CLIENT_GONE))
+        self._put(Update([], [], error=CLIENT_GONE))
 
     def close(self) -> None:
         """Cancel the job unless it is over (idempotent): its slot is freed at the next step boundary."""
@@ -110,12 +121,20 @@ class Generation:
         """Hand the update to the handler; never waits. From a decode thread in this process, through the
         event loop's thread-safe call; from the engine client's reader, already on the loop, directly."""
         if threading.get_ident() == self._loop_thread:
-            self._updates.put_nowait(update)
+            self._put(update)
         else:
-            self._loop.call_soon_threadsafe(self._updates.put_nowait, update)
+            self._loop.call_soon_threadsafe(self._put, update)
+
+    def _put(self, update: Update) -> None:
+        """On the loop: queue the update and count what `ready` reads."""
+        self._queued_tokens += len(update.token_ids)
+        self._queued_ends += _ends(update)
+        self._updates.put_nowait(update)
 
     async def _next_update(self) -> Update:
         update = await self._updates.get()
+        self._queued_tokens -= len(update.token_ids)
+        self._queued_ends -= _ends(update)
         if update.rejected is not None:
             raise (QueueFull if update.rejected == REJECTED_QUEUE_FULL else WorkerStopped)(update.error)
         if update.error == CLIENT_GONE:
@@ -144,6 +163,10 @@ class Generation:
             self.finish_reason = update.finish_reason
             text += self._text.finish()
         return text
+
+
+def _ends(update: Update) -> bool:
+    return update.finish_reason is not None or update.error is not None or update.rejected is not None
 
 
 @asynccontextmanager

@@ -57,6 +57,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from telemetry import semconv as sc
+from telemetry.tally import SpecTally
 
 TELEMETRY_SCRAPE_TIMEOUT_S = 1.0  # the telemetry exporter answers on loopback in milliseconds
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -140,20 +141,13 @@ class Speculation:
             registry=registry,
         ).labels(*self.key)
 
-    def steps(self, lengths: list[int], budgets: list[int]) -> None:
-        """One update's steps: their acceptance lengths and budgets (draft nodes), one entry per step."""
-        if len(lengths) != len(budgets):
-            raise ValueError(f"{len(lengths)} acceptance lengths but {len(budgets)} budgets")
-        if len(budgets) == 1:  # one step an update, as a request takes them under load: no tally to make
-            self._child(self.drafts, budgets[0]).inc()
-        else:
-            for budget, count in collections.Counter(budgets).items():
-                self._child(self.drafts, budget).inc(count)
-        accepted = [length - 1 for length in lengths]
-        self.draft_tokens.inc(sum(budgets))
-        self.accepted.inc(sum(accepted))
-        for position in range(1, max(accepted, default=0) + 1):
-            reached = sum(1 for n in accepted if n >= position)
+    def add(self, tally: SpecTally) -> None:
+        """Request steps tallied since the last call."""
+        for budget, count in tally.drafts.items():
+            self._child(self.drafts, budget).inc(count)
+        self.draft_tokens.inc(tally.draft_tokens)
+        self.accepted.inc(tally.accepted)
+        for position, reached in enumerate(tally.per_depth, start=1):
             self._child(self.per_position, position).inc(reached)
 
     def _child(self, family: Counter, value: int) -> Counter:
@@ -185,6 +179,9 @@ class ServerMetrics:
         sums every process's counters and histograms, the ones that have ended included."""
         self.registry = CollectorRegistry()
         self.model = model
+        self._tally = SpecTally()  # what updates took since the last flush (`took`)
+        self._tokens: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._flush_due = False
         self._http()
         self._requests()
         self.speculation = Speculation(self.registry, model, method)
@@ -272,7 +269,36 @@ class ServerMetrics:
         return operation, self.model, sc.GEN_AI_SYSTEM_DDTREE
 
     def exposition(self) -> tuple[bytes, str]:
+        self.flush()
         return generate_latest(self.exposed), CONTENT_TYPE_LATEST
+
+    def took(self, labels: tuple[str, str, str], tokens: int, lengths: list[int], budgets: list[int]) -> None:
+        """An update's tokens and steps, counted once per turn of the event loop for all the updates of that
+        turn (a counter's increment in multiprocess mode writes a file), before any scrape reads them; at
+        once where there is no running loop."""
+        self._tokens[labels] += tokens
+        if lengths:
+            self._tally.add([n - 1 for n in lengths], budgets)
+        if self._flush_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Count what `took` gathered."""
+        self._flush_due = False
+        tokens, self._tokens = self._tokens, collections.Counter()
+        for labels, count in tokens.items():
+            if count:
+                self.generation_tokens.labels(*labels).inc(count)
+        if self._tally:
+            tally, self._tally = self._tally, SpecTally()
+            self.speculation.add(tally)
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -294,7 +320,6 @@ class RequestMeter:
         self.arrived = arrived
         self.first_token_at: float | None = None
         self.ended = False
-        self._generation_tokens = metrics.generation_tokens.labels(*self.labels)
 
     def first_token(self, prompt_tokens: int) -> None:
         """The prefill's token reached the handler."""
@@ -304,10 +329,7 @@ class RequestMeter:
 
     def took(self, tokens: int, lengths: list[int], budgets: list[int]) -> None:
         """An update: `tokens` more completion tokens, and its steps' acceptance lengths and budgets."""
-        if tokens:
-            self._generation_tokens.inc(tokens)
-        if lengths:
-            self.metrics.speculation.steps(lengths, budgets)
+        self.metrics.took(self.labels, tokens, lengths, budgets)
 
     def end(
         self, finished_reason: str, tokens: int, lengths: list[int], queued: tuple[float | None, float | None]

@@ -5,6 +5,7 @@ own drafts; failed, aborted and stopped requests are counted by finish reason.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddtree.engine.session import DecodeSession
 from ddtree.schedule import BudgetSchedule, Choice, write_schedule
 from ddtree.server.app import create_app
+from ddtree.server.metrics import ServerMetrics
 from ddtree.server.model import ServedModel, load_model
 from telemetry import semconv as sc
 from tests.ddtree.server.conftest import BUDGET, settings_for
@@ -252,3 +254,29 @@ def test_a_dropped_stream_is_counted_as_an_abort(live_url: tuple[str, Any]) -> N
     samples = scrape(url)
     assert total(samples, f"{sc.PROM_REQUEST_DURATION_SECONDS}_count") == 1
     assert total(samples, sc.PROM_GENERATION_TOKENS_TOTAL) >= 1
+
+
+def test_updates_are_counted_once_a_turn_and_always_before_a_scrape() -> None:
+    metrics = ServerMetrics(lambda: 0, lambda: 0, model="m", method="ddtree")
+    labels = metrics.gen_ai_labels(sc.GEN_AI_OPERATION_TEXT_COMPLETION)
+
+    def accepted() -> float:
+        return (
+            metrics.registry.get_sample_value(
+                sc.PROM_SPEC_ACCEPTED_TOKENS_TOTAL, {"method": "ddtree", "model_name": "m"}
+            )
+            or 0.0
+        )
+
+    metrics.took(labels, 3, [3], [8])  # no event loop: at once
+    assert accepted() == 2
+
+    async def on_the_loop() -> tuple[float, float, float]:
+        metrics.took(labels, 4, [2, 3], [8, 8])
+        held = accepted()  # not yet: the turn's updates are counted together
+        scraped = b"ddtree_spec_decode_accepted_tokens_total" in metrics.exposition()[0] and accepted()
+        metrics.took(labels, 1, [2], [8])
+        await asyncio.sleep(0)
+        return held, scraped, accepted()
+
+    assert asyncio.run(on_the_loop()) == (2, 5, 6)
