@@ -163,17 +163,17 @@ def server_times(url: str) -> dict[str, tuple[float, float]]:
     empty where the server has no /metrics (the stub)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
     totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in SERVER_TIMES.values()}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples if family.name in totals else []:
-            if sample.name.endswith("_sum"):
-                totals[family.name][0] += sample.value
-            elif sample.name.endswith("_count"):
-                totals[family.name][1] += sample.value
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=10)
+        for family in text_string_to_metric_families(response.text) if response.is_success else []:
+            for sample in family.samples if family.name in totals else []:
+                if sample.name.endswith("_sum"):
+                    totals[family.name][0] += sample.value
+                elif sample.name.endswith("_count"):
+                    totals[family.name][1] += sample.value
+    except (httpx.HTTPError, ValueError):  # no server, or no Prometheus text (the stub streams anything)
+        return {}
     return {name: (total[0], total[1]) for name, total in totals.items()}
 
 

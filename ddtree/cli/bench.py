@@ -263,16 +263,14 @@ class ProgressBar:
 
 
 def _write_outputs(args: argparse.Namespace, measured: list[tuple[int, Any]], sampling: Sampling) -> None:
-    """`--out`: every row (with its batch size when there are several, and the temperature and seed);
+    """`--out`: every row, with its batch size, the temperature and the seed;
     `--cost-curve`: ar's and ddtree's ms per step, one curve per batch size, each ddtree budget's tau beside
     its time, at the run's temperature (the `auto` row is no point of a curve)."""
     from ddtree.bench.rows import rows_json
 
     if args.json_out:
-        sizes = {size for size, _ in measured}
         records = rows_json([row for _, row in measured], sampling)
-        if len(sizes) > 1:
-            records = [{"batch_size": size, **r} for (size, _), r in zip(measured, records, strict=True)]
+        records = [{"batch_size": size, **r} for (size, _), r in zip(measured, records, strict=True)]
         Path(args.json_out).write_text(json.dumps(records, indent=2))
     if args.cost_curve:
         from ddtree.bench.tune import cost_points
