@@ -78,14 +78,13 @@ class Collector:
         self,
         sinks: list[StatsSink],
         device_type: str = "cpu",
-        tree_detail: bool = False,
         handoff: bool = False,
         dropped: Callable[[int], None] | None = None,
     ) -> None:
         self.sinks = sinks
         self.dropped = dropped or (lambda step: None)  # a step record the hand-off thread had no room for
         self.handoff = HandOff() if handoff else None  # the thread that resolves records and calls the sinks
-        self.tree_fields = ("tokens", "parents", "log_probs") if tree_detail else ("tokens", "parents")
+        self.tree_fields = ("tokens", "parents", "log_probs")
         self.clock: StageClock = clock_for(device_type)
         self.pinned = device_type == "cuda"
         self.info: GenerateInfo | None = None  # the latest requests' settings (one session: one method)
@@ -167,8 +166,9 @@ class Collector:
     def on_tree(self, tree: DraftTree) -> None:
         """Non-blocking copies and nothing else on the device: the root and padding have depth 0, so the host
         counts the draft nodes per depth from the depths alone. The tokens and parents let the exporter find
-        each accepted path's node indices from the request's output tokens (for the budget replay); the
-        log-probabilities are copied only when tree detail is on. Nothing in a session: the probe brings them."""
+        each accepted path's node indices from the request's output tokens (for the budget replay), and the
+        log-probabilities give the drafter's prediction (`StepStats.predicted`). Nothing in a session: the
+        probe brings them."""
         assert self.current is not None
         if self.probed:
             return

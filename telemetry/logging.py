@@ -109,6 +109,11 @@ class LogSink:
             sc.FIELD_START_NS: stats.start_ns,
             sc.FIELD_END_NS: stats.end_ns,
         }
+        predicted = stats.predicted
+        if predicted is not None and stats.predicted_widths:
+            fields[sc.FIELD_PREDICTED_ACCEPTED] = [round(row[-1], 4) for row in predicted]
+            fields[sc.FIELD_PREDICTED_WIDTHS] = stats.predicted_widths
+            fields[sc.FIELD_PREDICTED_AT_WIDTHS] = [[round(v, 4) for v in row] for row in predicted]
         ranks, chain = stats.path_ranks, stats.chain
         if ranks is not None and chain is not None:  # a loop that reads back no ranks (SGLang's) leaves them out
             fields[sc.FIELD_ACCEPTED_RANKS] = ranks

@@ -42,6 +42,9 @@ COUNTERS = (
     (sc.METRIC_TREE_ADDED_PER_DEPTH, "accepted drafts below where the path left the chain, by depth"),
     (sc.METRIC_OFF_CHAIN_PARENT_ACCEPTED_PER_DEPTH, "accepted drafts whose parent is off the chain, by depth"),
     (sc.METRIC_OFF_CHAIN_PARENT_NODES_PER_DEPTH, "tree nodes whose parent is off the chain, by depth"),
+    (sc.METRIC_PREDICTED_STEPS, "request steps whose tree carried the drafter's prediction"),
+    (sc.METRIC_PREDICTED_ACCEPTED, "accepted drafts the drafter's probabilities predicted (sum over request steps)"),
+    (sc.METRIC_PREDICTION_ERROR, "|predicted - accepted drafts| summed over request steps"),
 )
 CHAIN_COUNTERS = (  # counter -> the `ChainCounts` list it adds
     (sc.METRIC_OFF_CHAIN_ACCEPTED_PER_DEPTH, "off_chain"),
@@ -56,7 +59,7 @@ class MetricsSink:
     scrape or an export), so a step costs a few dict updates instead of an SDK call per label."""
 
     def __init__(self, meter: Any) -> None:
-        self.totals: dict[str, defaultdict[Labels, int]] = {name: defaultdict(int) for name, _ in COUNTERS}
+        self.totals: dict[str, defaultdict[Labels, float]] = {name: defaultdict(float) for name, _ in COUNTERS}
         for name, description in COUNTERS:
             meter.create_observable_counter(name, callbacks=[self._observe(name)], description=description)
         self.acceptance_length = meter.create_histogram(
@@ -99,6 +102,13 @@ class MetricsSink:
             labels = (*method, (sc.LABEL_DEPTH, str(depth)))
             totals[sc.METRIC_TREE_NODES_PER_DEPTH][labels] += stats.nodes_per_depth[depth]
             totals[sc.METRIC_ACCEPTED_PER_DEPTH][labels] += stats.accepted_per_depth[depth]
+        predicted = stats.predicted
+        if predicted is not None and stats.predicted_widths:
+            at_run = [row[-1] for row in predicted]
+            totals[sc.METRIC_PREDICTED_STEPS][method] += len(at_run)
+            totals[sc.METRIC_PREDICTED_ACCEPTED][method] += sum(at_run)
+            error = sum(abs(p - a) for p, a in zip(at_run, stats.accepted, strict=True))
+            totals[sc.METRIC_PREDICTION_ERROR][method] += error
         chain = stats.chain
         if chain is not None:
             for depth in range(1, chain.depth + 1):

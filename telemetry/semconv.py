@@ -71,6 +71,10 @@ METRIC_OFF_CHAIN_ACCEPTED_PER_DEPTH: Final = "ddtree_off_chain_accepted_tokens_p
 METRIC_TREE_ADDED_PER_DEPTH: Final = "ddtree_tree_added_tokens_per_depth"  # at or below the first rank > 0
 METRIC_OFF_CHAIN_PARENT_ACCEPTED_PER_DEPTH: Final = "ddtree_off_chain_parent_accepted_tokens_per_depth"
 METRIC_OFF_CHAIN_PARENT_NODES_PER_DEPTH: Final = "ddtree_off_chain_parent_nodes_per_depth"  # offered
+# The drafter's prediction against what was accepted, per request step: their sums and the sum of |difference|.
+METRIC_PREDICTED_ACCEPTED: Final = "ddtree_predicted_accepted_tokens"
+METRIC_PREDICTION_ERROR: Final = "ddtree_prediction_abs_error_tokens"
+METRIC_PREDICTED_STEPS: Final = "ddtree_predicted_steps"  # request steps that carried a prediction
 METRIC_ACCEPTANCE_LENGTH: Final = "ddtree_acceptance_length"
 METRIC_TREE_NODES: Final = "ddtree_tree_nodes"
 METRIC_STAGE_DURATION: Final = "ddtree_stage_duration"
@@ -238,6 +242,11 @@ FIELD_TOPK: Final = "topk"
 FIELD_TREE_NODES: Final = "tree_nodes"
 FIELD_NODES_PER_DEPTH: Final = "nodes_per_depth"
 FIELD_ACCEPTED_DRAFTS: Final = "accepted_drafts"
+# The drafter's prediction (`telemetry.calibration`): per request, the expected accepted drafts of the tree the
+# step ran (beside `accepted_drafts`), and at each of the widths `predicted_widths` (the last: the tree run).
+FIELD_PREDICTED_ACCEPTED: Final = "predicted_accepted"
+FIELD_PREDICTED_WIDTHS: Final = "predicted_widths"
+FIELD_PREDICTED_AT_WIDTHS: Final = "predicted_accepted_at_widths"
 FIELD_ACCEPTED_PER_DEPTH: Final = "accepted_per_depth"
 FIELD_ACCEPTED_RANKS: Final = "accepted_ranks"  # per request: each accepted draft's rank at its depth (0: top-1)
 FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH: Final = "off_chain_parent_nodes_per_depth"  # nodes whose parent is off chain

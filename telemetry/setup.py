@@ -53,7 +53,6 @@ def build(
     collector = Collector(
         [exporter],
         device_type,
-        tree_detail=config.log_tree > 0,
         handoff=device_type == "cuda",
         dropped=lambda step: exporter.ledger.add_steps([step]),
     )

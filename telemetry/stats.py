@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ddtree.observer import GenerateInfo, RequestResult
+from telemetry.calibration import curve_widths, expected_accepted
 from telemetry.chain import ChainCounts, off_chain_parent_nodes
 from telemetry.tally import reached_per_depth
 
@@ -35,7 +36,7 @@ class StepStats:
     # None: the slots are the requests of `info`, in order
     tokens: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: draft tokens, -1 = root or padding
     parents: npt.NDArray[np.int64] | None = None  # [active requests, 1+budget]: parent node, -1 = root or padding
-    log_probs: npt.NDArray[np.float32] | None = None  # [active requests, 1+budget]: only with tree detail on
+    log_probs: npt.NDArray[np.float32] | None = None  # [active requests, 1+budget]: prefix log-probabilities
     warmup: bool = False  # the step carried compilation or graph capture: its times are not steady-state work
     rows: int | None = None  # rows the step ran (slots 0..rows-1, free ones included); None: one per request
     ranks: npt.NDArray[np.int64] | None = None  # [active requests, depth]: the accepted path's ranks (columns
@@ -61,6 +62,21 @@ class StepStats:
         """Index d: active requests that accepted a draft at depth d (same length as `nodes_per_depth`: a step
         whose tree's depths never reached the collector counts its accepted drafts in `accepted` only)."""
         return [0, *reached_per_depth(self.accepted, len(self.nodes_per_depth) - 1)]
+
+    @cached_property
+    def predicted_widths(self) -> list[int]:
+        """The widths `predicted` is given at (`telemetry.calibration.curve_widths` of the tree's budget)."""
+        if self.log_probs is None:
+            return []
+        return curve_widths(int(self.log_probs.shape[1]) - 1)
+
+    @cached_property
+    def predicted(self) -> list[list[float]] | None:
+        """Per active request: the drafter's expected accepted drafts at each of `predicted_widths`, the
+        last being the tree the step ran; None where the step's log-probabilities did not reach the collector."""
+        if self.log_probs is None:
+            return None
+        return expected_accepted(self.log_probs, self.predicted_widths).tolist()  # type: ignore[no-any-return]
 
     @cached_property
     def path_ranks(self) -> list[list[int]] | None:

@@ -54,8 +54,10 @@ def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: in
     assert sc.FIELD_PROMPT_TOKEN_IDS not in requests.columns, "no content without DDTREE_LOG_CONTENT"
     if method == "ar":
         assert all(n == [0] * len(n) for n in steps["tree_nodes"])
+        assert sc.FIELD_PREDICTED_ACCEPTED not in steps.columns and not captured.counter(sc.METRIC_PREDICTED_STEPS)
     else:
         assert sum(sum(n) for n in steps["tree_nodes"]) == captured.counter(sc.METRIC_DRAFT_TOKENS) > 0
+        _check_predictions(steps, captured)
 
     spans = captured.spans.get_finished_spans()
     by_name: dict[str, list[Any]] = {}
@@ -81,6 +83,30 @@ def test_metrics_logs_and_spans_reconcile_with_the_output(method: str, batch: in
     usage = sorted(s.attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] for s in by_name[sc.SPAN_REQUEST])
     assert usage == sorted(len(o.token_ids) for o in result.outputs)
     assert set(steps["trace_id"]) <= {format(s.context.trace_id, "032x") for s in by_name[sc.SPAN_STEP]}
+
+
+def _check_predictions(steps: Any, captured: Any) -> None:
+    """Each row's prediction: one per request step, within its tree's nodes, growing with the width, the
+    widest being the tree run; the metrics' sums are the log's."""
+    predicted = [p for row in steps[sc.FIELD_PREDICTED_ACCEPTED] for p in row]
+    accepted = [a for row in steps[sc.FIELD_ACCEPTED_DRAFTS] for a in row]
+    nodes = [n for row in steps["tree_nodes"] for n in row]
+    assert len(predicted) == len(accepted) == captured.counter(sc.METRIC_PREDICTED_STEPS)
+    assert all(0 < p <= n for p, n in zip(predicted, nodes, strict=True))
+    lines = zip(
+        steps[sc.FIELD_PREDICTED_WIDTHS],
+        steps[sc.FIELD_PREDICTED_AT_WIDTHS],
+        steps[sc.FIELD_PREDICTED_ACCEPTED],
+        strict=True,
+    )
+    for widths, curves, run in lines:
+        assert widths == sorted(widths) and widths[-1] == max(widths)
+        for curve, at_run in zip(curves, run, strict=True):
+            assert curve == sorted(curve) and curve[-1] == at_run
+    slack = 1e-4 * len(predicted)  # the log rounds to 4 places
+    assert captured.counter(sc.METRIC_PREDICTED_ACCEPTED) == pytest.approx(sum(predicted), abs=slack)
+    error = sum(abs(p - a) for p, a in zip(predicted, accepted, strict=True))
+    assert captured.counter(sc.METRIC_PREDICTION_ERROR) == pytest.approx(error, abs=slack)
 
 
 def test_content_is_logged_only_when_asked() -> None:
@@ -259,12 +285,12 @@ def _probe(rows: int, stamps: list[int] | None) -> Any:
     )
 
 
-def _stamped_collector(tree_detail: bool = False) -> tuple[Any, Any]:
+def _stamped_collector() -> tuple[Any, Any]:
     from ddtree.observer import GenerateInfo
     from telemetry.collector import Collector
 
     sink = _Steps()
-    collector = Collector([sink], tree_detail=tree_detail)
+    collector = Collector([sink])
     collector.on_session(stamped=True)
     collector.on_generate_start(GenerateInfo("ddtree", 3, None, 0.0, 8, 0, ["a", "b"], [[1], [2]]))
     return collector, sink
@@ -275,7 +301,7 @@ def test_a_stamped_step_takes_its_times_and_tree_from_the_probe(monkeypatch: pyt
     tree's rows are the probe's, for the rows that decoded; no mark is taken and nothing is copied."""
     import numpy as np
 
-    collector, sink = _stamped_collector(tree_detail=True)
+    collector, sink = _stamped_collector()
     marks: list[int] = []
     monkeypatch.setattr(collector.clock, "mark", lambda: marks.append(1))
     monkeypatch.setattr("telemetry.collector.time.time_ns", lambda: 1_000_000)
@@ -324,7 +350,7 @@ def test_a_stamped_sessions_eager_step_is_timed_by_its_marks(monkeypatch: pytest
     assert stats.end_ns - stats.start_ns == 400, "five marks, 100 ns apart"
     assert [end - start for start, end in stats.stage_ns.values()] == [100] * 4
     assert stats.depths is not None and stats.depths.tolist() == [[0, 1, 2, 0]] * 2
-    assert stats.log_probs is None, "tree detail is off"
+    assert stats.log_probs is not None and stats.log_probs.tolist()[0][:3] == [0.0, -0.5, -1.0]  # the prediction's
 
 
 def test_stamped_records_reach_the_sinks_in_groups_of_32() -> None:

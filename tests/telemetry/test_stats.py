@@ -65,3 +65,18 @@ def test_a_step_without_its_trees_depths_still_has_per_depth_counts_of_one_lengt
     stats = _stats(None, [0, 2, 3])
     assert stats.nodes_per_depth == [0] and stats.accepted_per_depth == [0] and stats.tree_depth == 0
     assert stats.tree_nodes == [0, 0, 0] and stats.accepted == [0, 2, 3]
+
+
+def test_the_prediction_is_the_sum_of_the_first_nodes_prefix_probabilities() -> None:
+    torch.manual_seed(0)
+    tree = build_tree(torch.randn(2, 4, 6) * 2, budget=12, topk=3)
+    stats = StepStats(
+        0, INFO, [True, True], tree.depths.numpy(), [1, 2], [2, 3], {}, 0, 1, log_probs=tree.log_probs.numpy()
+    )
+    assert stats.predicted_widths == [1, 2, 4, 8, 12]
+    assert stats.predicted is not None
+    for row, curve in zip(tree.log_probs, stats.predicted, strict=True):
+        probs = row[1:].exp()  # node 0 is the root; nodes 1.. in the tree's order, best first
+        assert curve == pytest.approx([float(probs[:w].sum()) for w in stats.predicted_widths], rel=1e-6)
+        assert curve[0] == pytest.approx(float(probs.max()))  # the one best node first
+    assert _stats(tree.depths, [1, 2]).predicted is None  # no log-probabilities: no prediction

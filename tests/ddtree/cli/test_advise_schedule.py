@@ -30,7 +30,7 @@ def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     test_report.py writes its logs)."""
     stream = io.StringIO()
     sink = LogSink(make_logger(TelemetryConfig(), stream), tree_share=1.0)
-    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu", tree_detail=True))
+    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu"))
     engine.generate(random_prompts(3, 4, vocab=12), GenerationConfig(budget=16, max_new_tokens=20))
     path = tmp_path_factory.mktemp("log") / "steps.jsonl"
     path.write_text(stream.getvalue())

@@ -35,7 +35,7 @@ def run() -> tuple[list[Line], dict[int, float]]:
     """The lines of ddtree at two budgets on the same four requests, and each budget's real tau."""
     log = io.StringIO()
     sink = LogSink(make_logger(TelemetryConfig(), log), tree_share=0.5)
-    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu", tree_detail=True))
+    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu"))
     prompts = random_prompts(3, len(IDS), vocab=12)
     taus = {}
     for budget in BUDGETS:

@@ -70,7 +70,7 @@ def test_the_walk_finds_the_path_by_tokens_and_stops_off_the_tree() -> None:
 def _logged_run(prompts: list[list[int]], engine_pair: Any, tokens: int) -> tuple[list[dict[str, Any]], list[str]]:
     log = io.StringIO()
     sink = LogSink(make_logger(TelemetryConfig(), log), tree_share=1.0)
-    engine = Engine(*engine_pair, observer=Collector([sink], "cpu", tree_detail=True))
+    engine = Engine(*engine_pair, observer=Collector([sink], "cpu"))
     ids = [f"r{i}" for i in range(len(prompts))]
     engine.generate(prompts, GenerationConfig(budget=BUDGET, max_new_tokens=tokens), request_ids=ids)
     return [json.loads(line) for line in log.getvalue().splitlines()], ids

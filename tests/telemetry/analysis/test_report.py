@@ -44,7 +44,7 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, fl
     real tau of each budget."""
     log = io.StringIO()
     sink = LogSink(make_logger(TelemetryConfig(), log), tree_share=0.5)
-    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu", tree_detail=True))
+    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu"))
     prompts = random_prompts(3, 4, vocab=12)
     taus = {}
     for budget in BUDGETS:
@@ -249,7 +249,7 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """The lines of ddtree B=16 and B=4 on the same four requests (ids r0..r3), and B=8 on other ones."""
     log = io.StringIO()
     sink = LogSink(make_logger(TelemetryConfig(), log), tree_share=0.5)
-    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu", tree_detail=True))
+    engine = Engine(*tiny_pair(3, vocab=12, block_size=5), observer=Collector([sink], "cpu"))
     for budget, ids, seed in ((16, SAME, 4), (4, SAME, 4), (8, OTHER, 5)):
         prompts = random_prompts(seed, len(ids), vocab=12)
         engine.generate(prompts, GenerationConfig(budget=budget, max_new_tokens=16), request_ids=ids)
