@@ -3,7 +3,9 @@
 A `Digest` takes the log's JSON objects one at a time. It keeps per-configuration sums (`ConfigStats`),
 histograms (acceptance lengths, the replay's `ReplayTable`, the reliability bins), time series whose points
 widen as the run gets longer (`StepSeries`, `TimeSeries`), and order-free fingerprints of each
-configuration's requests (`RequestSet`), so its size does not grow with the number of lines. The joins:
+configuration's requests (`RequestSet`), so its size does not grow with the number of lines; the one exception
+is the calibration's (predicted, accepted) pairs, 12 bytes a request-step (`telemetry.analysis.calibration`).
+The joins:
 - a step line's node ranks and log-probabilities wait for their request's line, which names the accepted
   paths; at most `MAX_WAITING` of them wait at a time (the oldest are dropped and counted);
 - each request's logged steps (how many, their acceptance lengths) wait for its request line, which says how
@@ -23,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from telemetry import semconv as sc
+from telemetry.analysis.calibration import calibration_summary
 from telemetry.analysis.chain import chain_summary
 from telemetry.analysis.replay import ReplayTable, topk_grid
 from telemetry.analysis.steps import (
@@ -404,6 +407,7 @@ class Digest:
             "nodes_per_depth": [n / steps for n in g.nodes_per_depth],
             "accepted_per_depth": [a / steps for a in g.accepted_per_depth],
             "chain": chain_summary(g.chain),  # what the tree added over its chain; None: no accepted ranks
+            "calibration": calibration_summary(g.calibration),  # predicted against accepted; None: no predictions
             "acceptance_lengths": {
                 str(k): v for k, v in sorted(self.lengths.get((g.method, g.budget, g.topk), {}).items())
             },

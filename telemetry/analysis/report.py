@@ -8,6 +8,9 @@ plot has one figure size, `FIGSIZE` inches at `DPI`.
   warm-up steps are ticks on the time axis, not points.
 - what the tree added over its chain: per depth, accepted drafts per request-step against the part its own
   chain would have accepted (`telemetry.analysis.chain`), from the step lines' accepted ranks.
+- calibration: the reliability of the drafter's predicted acceptance length; per configuration, the mean
+  acceptance length the target gave against the one predicted, in quantile bins of the prediction, with the
+  fitted calibration map and the diagonal (`telemetry.analysis.calibration`).
 - predicted tau: the replay's curves; a measured tau is a black cross only where it was measured on the
   same requests as the replay (same ids, or same prompts where logged), a grey circle otherwise.
 - the report states how complete the log is and carries `ddtree advise`'s recommendation with its interval.
@@ -28,6 +31,7 @@ from matplotlib.figure import Figure
 
 from telemetry import semconv as sc
 from telemetry.analysis.advise import NO_COST, advise, recommendation_line
+from telemetry.analysis.calibration import plot_calibration
 from telemetry.analysis.chain import plot_chain
 from telemetry.analysis.digest import RELIABILITY_BINS, Digest
 
@@ -160,10 +164,15 @@ def _chain(ax: Axes, d: Digest) -> None:
     plot_chain(ax, [(g.label, g.chain) for g in d.sorted_configs()])
 
 
+def _calibration(ax: Axes, d: Digest) -> None:
+    plot_calibration(ax, [(g.label, g.calibration) for g in d.sorted_configs()])
+
+
 PLOTS: dict[str, Plot] = {
     "acceptance_lengths": _lengths,
     "acceptance_per_depth": _depth_rate,
     "tree_over_chain": _chain,
+    "calibration": _calibration,
     "tree_utilisation": _utilisation,
     "reliability": _reliability,
     "predicted_tau": _predicted,

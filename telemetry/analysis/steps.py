@@ -1,15 +1,16 @@
 """JSON step logs -> a table per configuration, acceptance by depth, what the tree added over its chain (from the
-accepted ranks, `telemetry.analysis.chain`), how complete the log is, and budget advice.
+accepted ranks, `telemetry.analysis.chain`), the drafter's predicted accepted drafts against the target's
+(`telemetry.analysis.calibration`), how complete the log is, and budget advice.
 
 Reads the `ddtree.step` lines that `DDTREE_DEBUG_METRICS=1` writes. For each (method, budget, topk) it
 reports tau (mean accepted drafts + 1 per request-step), tokens per step, the time of each stage, and
 tokens per second; the advice is the configuration with the most tokens per second.
 
 What each figure is over:
-- acceptance (tau, the depth tables, tokens per step): every logged step, warm-up ones included (compiling a
-  graph changes no token). Where the configuration has request lines, tau comes from them instead
-  (`RequestTally`): a request whose steps all have step lines counts its steps' own lengths, any other
-  request its line's `mean_acceptance_length`, so steps the telemetry lost do not bias tau.
+- acceptance (tau, the depth tables, the chain and calibration tables, tokens per step): every logged step,
+  warm-up ones included (compiling a graph changes no token). Where the configuration has request lines, tau
+  comes from them instead (`RequestTally`): a request whose steps all have step lines counts its steps' own
+  lengths, any other request its line's `mean_acceptance_length`, so steps the telemetry lost do not bias tau.
 - time (stage times, step time, tokens per second): the steady steps only. A step with `"warmup": true`
   carried compilation or CUDA-graph capture; it is counted (`warmup_steps`) and left out. A step's time is
   its own wall duration, `end_ns - start_ns` (the stage sum where a line has no times).
@@ -28,6 +29,7 @@ from typing import Any
 
 from ddtree.methods import method_label
 from telemetry import semconv as sc
+from telemetry.analysis.calibration import Observed, calibration_table
 from telemetry.analysis.chain import chain_table
 from telemetry.chain import ChainCounts, add_into
 
@@ -110,6 +112,7 @@ class ConfigStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     requests: RequestTally = field(default_factory=RequestTally)
     chain: ChainCounts = field(default_factory=ChainCounts)  # the lines with accepted ranks (`telemetry.chain`)
+    calibration: Observed = field(default_factory=Observed)  # the lines with predictions (`analysis.calibration`)
 
     @property
     def label(self) -> str:
@@ -178,6 +181,9 @@ class ConfigStats:
         if isinstance(ranks, list):  # older logs and loops that read no ranks back have none
             offered = s.get(sc.FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH) or []
             self.chain.merge(ChainCounts.of(ranks, [0, *offered]))
+        predicted = s.get(sc.FIELD_PREDICTED_ACCEPTED)
+        if isinstance(predicted, list):  # older logs and `ar` steps (no tree) have none
+            self.calibration.add(predicted, s[sc.FIELD_ACCEPTED_DRAFTS])
         if is_warmup(s):
             self.warmup_steps += 1
             return
@@ -329,4 +335,5 @@ def format_table(groups: list[ConfigStats]) -> str:
             rates = " ".join(f"{r:.2f}" for r in g.depth_acceptance())
             lines.append(f"{g.label}: accepted / verified nodes by depth: {rates}")
     lines.extend(chain_table([(g.label, g.chain) for g in groups]))
+    lines.extend(calibration_table([(g.label, g.calibration) for g in groups]))
     return "\n".join(lines)
