@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -86,14 +86,15 @@ def _lines(path: str) -> Iterator[IO[str]]:
         yield stream
 
 
-def _digest(path: str, trace_out: IO[str] | None = None) -> Any:
+def _digest(path: str, trace_out: IO[str] | None = None, each: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """The log's digest; `each` (or the trace-event writer) sees every record too."""
     from telemetry.analysis.digest import Digest
     from telemetry.analysis.trace_events import TraceEventWriter
 
     writer = TraceEventWriter(trace_out) if trace_out is not None else None
     with _lines(path) as stream:
         try:
-            digest = Digest.of(stream, writer.add if writer is not None else None)
+            digest = Digest.of(stream, writer.add if writer is not None else each)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path!r} has ddtree lines without the expected fields: {exc!r}") from exc
     if writer is not None:
@@ -148,9 +149,12 @@ def _advise(args: argparse.Namespace) -> int:
         raise UserError(f"cannot read --cost-curve {args.cost!r}: {exc.strerror}") from exc
     except ValueError as exc:
         raise UserError(f"--cost-curve: {exc}") from exc
-    digest = _digest(args.log)
+    from telemetry.analysis.adaptive import AdaptiveLog
+
+    adaptive = AdaptiveLog() if cost is not None else None
+    digest = _digest(args.log, each=adaptive)
     try:
-        result = advise(digest, cost)
+        result = advise(digest, cost, adaptive)
     except ValueError as exc:  # IncompleteLog among them: too few of the run's steps were logged
         raise UserError(str(exc)) from exc
     plan = _plan(cost, digest) if args.schedule and cost is not None else None

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from telemetry.analysis.adaptive import AdaptiveLog
+from telemetry.analysis.calibration import calibration_map
 from telemetry.analysis.cost import CostCurve, CostFile, cost_from_log
 from telemetry.analysis.digest import Digest, Key
 from telemetry.analysis.replay import ReplayTable
@@ -103,10 +105,14 @@ def check_complete(completeness: Completeness) -> list[str]:
     return [f"incomplete log: {completeness.line()} (under {WARN_BELOW:.0%}): the replay is over the complete requests"]
 
 
-def advise(digest: Digest, cost: CostCurve | CostFile | None = None) -> dict[str, Any]:
+def advise(
+    digest: Digest, cost: CostCurve | CostFile | None = None, adaptive: AdaptiveLog | None = None
+) -> dict[str, Any]:
     """The predictions, the recommendation, and predicted against measured for the ddtree configurations
     in the log. A cost file of several batch sizes gives the curve nearest the replayed run's active requests
-    per step. Raises ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
+    per step. With a cost file and `adaptive` (the same log's predictions, read alongside the digest) also
+    the adaptive rule replayed, as the drafter predicted and calibrated by the log's own map. Raises
+    ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
     source = digest.replay_source()
     if source is None:
         raise ValueError("the log has no ddtree request lines with accepted paths to replay")
@@ -116,6 +122,7 @@ def advise(digest: Digest, cost: CostCurve | CostFile | None = None) -> dict[str
     configs = digest.sorted_configs()
     logged = digest.configs.get(key)
     active = logged.active_per_step if logged and logged.steps else 1.0
+    cost_file = cost
     if isinstance(cost, CostFile):
         cost = cost.for_rows(active)
     cost = cost or cost_from_log(configs)
@@ -138,6 +145,28 @@ def advise(digest: Digest, cost: CostCurve | CostFile | None = None) -> dict[str
         "configs": [asdict(p) for p in predictions],
         "recommended": None if best is None else asdict(best),
         "measured": _measured(digest, key, configs, predictions),
+        "adaptive": _adaptive(digest, key, cost_file, adaptive) if isinstance(cost_file, CostFile) else None,
+    }
+
+
+def _adaptive(digest: Digest, key: Key, cost: CostFile, log: AdaptiveLog | None) -> dict[str, Any] | None:
+    """The adaptive rule over the replayed configuration's steps, at the steps' own rows and as if at each
+    batch size of the cost file: as the drafter predicted, and calibrated by the log's own map."""
+    replay = log.replays.get(key) if log is not None else None
+    if replay is None or not replay.steps:
+        return None
+    observed = digest.configs[key].calibration if key in digest.configs else None
+    knots = calibration_map(observed) if observed is not None and observed.request_steps else None
+    return {
+        "widths": list(replay.widths),
+        "by_rows": [
+            {
+                "rows": rows,
+                "predicted": replay.evaluate(cost, rows=rows),
+                "calibrated": replay.evaluate(cost, knots, rows=rows) if knots is not None else None,
+            }
+            for rows in [None, *sorted(cost.curves)]
+        ],
     }
 
 
@@ -214,7 +243,31 @@ def format_advice(result: dict[str, Any], top: int = 10) -> str:
     rec = result["recommended"]
     if rec is not None:
         lines.append(recommendation_line(rec))
+    lines.extend(adaptive_lines(result.get("adaptive")))
     return "\n".join(lines)
+
+
+def adaptive_lines(adaptive: dict[str, Any] | None) -> list[str]:
+    """What the adaptive rule would have made, replayed: against the best fixed width or `ar`, per batch size."""
+    if adaptive is None:
+        return []
+    lines = [
+        f"adaptive width per step (of {adaptive['widths']} and ar), replayed under the cost file "
+        "(rows: the log's own, or each batch size of the file):",
+        f"  {'rows':>6}{'steps':>7}{'best fixed':>18}{'adaptive':>10}{'x':>7}{'calibrated':>12}{'x':>7}  widths chosen",
+    ]
+    for entry in adaptive["by_rows"]:
+        raw, cal = entry["predicted"], entry["calibrated"] or entry["predicted"]
+        fixed = raw["fixed_tokens_per_second"]
+        width = max(fixed, key=fixed.get)
+        best = f"{'ar' if width == '0' else 'W=' + width} {fixed[width]:.0f}"
+        chosen = " ".join(f"{'ar' if w == '0' else w}:{n}" for w, n in cal["chosen_widths"].items())
+        lines.append(
+            f"  {entry['rows'] or 'log':>6}{raw['steps']:>7}{best:>18}{raw['adaptive_tokens_per_second']:>10.0f}"
+            f"{raw['adaptive_over_best_fixed']:>7.3f}{cal['adaptive_tokens_per_second']:>12.0f}"
+            f"{cal['adaptive_over_best_fixed']:>7.3f}  {chosen}"
+        )
+    return lines
 
 
 def recommendation_line(rec: dict[str, Any]) -> str:

@@ -103,3 +103,22 @@ def test_schedule_without_a_cost_curve_or_without_ar_times_exits_2(log: Path, tm
     captured = capsys.readouterr()
     assert "no batch size of the cost file has ar's step time" in captured.err and len(captured.err.splitlines()) == 1
     assert captured.out == "" and not out.exists()
+
+
+def test_advise_replays_the_adaptive_width_at_each_batch_size_of_the_cost_file(
+    log: Path, tmp_path: Path, capsys: Any
+) -> None:
+    cost = _cost_file(tmp_path / "cost.json")
+    assert main(["advise", str(log), "--cost-curve", str(cost), "--json"]) == 0
+    adaptive = json.loads(capsys.readouterr().out)["adaptive"]
+    assert adaptive["widths"] == [1, 2, 4, 8, 16]
+    by_rows = {entry["rows"]: entry["predicted"] for entry in adaptive["by_rows"]}
+    assert set(by_rows) == {None, 1, 64} and by_rows[1]["steps"] > 0
+    # One row: every width costs 1 ms as ar does, so the widest tree, which predicts the most, runs every step.
+    assert by_rows[1]["chosen_widths"] == {"16": by_rows[1]["steps"]}
+    assert by_rows[1]["adaptive_tokens_per_second"] == pytest.approx(by_rows[1]["fixed_tokens_per_second"]["16"])
+    # 64 rows: a tree costs 10 ms a node and ar 1 ms: ar, at 64 tokens a step.
+    assert by_rows[64]["chosen_widths"] == {"0": by_rows[64]["steps"]}
+    assert by_rows[64]["adaptive_tokens_per_second"] == pytest.approx(64_000)
+    assert main(["advise", str(log), "--cost-curve", str(cost)]) == 0
+    assert "adaptive width per step (of [1, 2, 4, 8, 16] and ar)" in capsys.readouterr().out

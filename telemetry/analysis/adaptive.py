@@ -1,0 +1,161 @@
+"""The adaptive rule replayed on a logged run: what a width chosen per step from the drafter's own prediction
+would have made, against every fixed width and `ar`, under a cost curve.
+
+Per logged step of r rows, each row i with its prediction E_i(W) at the widths the step logged
+(`predicted_accepted_at_widths`, `telemetry.calibration`) and its accepted path's node indices:
+
+    fixed width W:  tokens = sum_i (1 + accepted_i(W)),  time = cost(r, W)
+    adaptive:       W* = argmax over W (and `ar`) of sum_i (1 + m(E_i(W))) / cost(r, W), then as fixed W*
+    ar:             tokens = r,  time = the cost file's ar step at r rows (where it has one)
+
+accepted_i(W) is the replay of `telemetry.analysis.replay` (the path's nodes with index <= W), exact per step
+at T=0 and an estimate over whole requests, as it says there; m is the calibration map (`analyze`'s, fitted by
+`telemetry.calibration.isotonic`; the identity without one). Each rule's tokens/s is its tokens over its time,
+summed over the steps. The log must come from a run at the largest width to consider (widths above the logged
+tree cannot be replayed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from telemetry import semconv as sc
+from telemetry.analysis.cost import CostFile
+from telemetry.analysis.replay import replay_accepted
+from telemetry.calibration import apply_map
+
+AR = 0  # the width of an `ar` step: no tree
+
+
+@dataclass
+class AdaptiveReplay:
+    """Steps of one configuration, as they are added: their widths, predictions and accepted paths."""
+
+    widths: tuple[int, ...] = ()
+    steps: list[tuple[int, np.ndarray[Any, Any], list[list[int]]]] = field(default_factory=list)  # rows, curves, paths
+
+    def add(self, rows: int, widths: Sequence[int], curves: Sequence[Sequence[float]], paths: list[list[int]]) -> None:
+        """One step: `rows` rows ran (the cost's batch size), `curves` [requests][widths] and each request's
+        accepted path. Steps of other widths than the first step's are left out (a budget that changed)."""
+        if not self.widths:
+            self.widths = tuple(widths)
+        if tuple(widths) != self.widths or len(curves) != len(paths) or not paths:
+            return
+        self.steps.append((rows, np.asarray(curves, dtype=np.float64), paths))
+
+    def evaluate(
+        self, cost: CostFile, knots: tuple[Sequence[float], Sequence[float]] | None = None, rows: int | None = None
+    ) -> dict[str, Any]:
+        """Tokens/s of every fixed width, `ar` (where the cost file times it) and the adaptive rule, and the
+        widths the rule chose (0: `ar`). `rows`: every step costs what it would at that many rows (its
+        requests standing for as many of their kind: the choice scales with the rows, not with who they are)."""
+        tokens: defaultdict[int, float] = defaultdict(float)
+        seconds: defaultdict[int, float] = defaultdict(float)
+        chosen: Counter[int] = Counter()
+        adaptive_tokens, adaptive_s = 0.0, 0.0
+        for logged, curves, paths in self.steps:
+            batch = cost.batch_for(rows or logged)
+            ms = {w: cost.curves[batch].step_ms(w) for w in self.widths}
+            if batch in cost.ar_step_ms:
+                ms[AR] = cost.ar_step_ms[batch]
+            scale = rows / len(paths) if rows else 1.0  # tokens as if the step had `rows` rows like these
+            got = {w: scale * sum(1 + replay_accepted(p, w) for p in paths) for w in self.widths}
+            got[AR] = scale * len(paths)
+            for w in ms:
+                tokens[w] += got[w]
+                seconds[w] += ms[w] / 1e3
+            expected = curves if knots is None else apply_map(knots, curves)
+            gain = {w: (len(paths) + float(expected[:, j].sum())) / ms[w] for j, w in enumerate(self.widths)}
+            if AR in ms:
+                gain[AR] = len(paths) / ms[AR]
+            best = max(gain, key=lambda w: (gain[w], -w))
+            chosen[best] += 1
+            adaptive_tokens += got[best]
+            adaptive_s += ms[best] / 1e3
+        fixed = {w: tokens[w] / seconds[w] for w in seconds if seconds[w] > 0}
+        adaptive = adaptive_tokens / adaptive_s if adaptive_s > 0 else None
+        best_fixed = max(fixed.values(), default=None)
+        return {
+            "steps": len(self.steps),
+            "fixed_tokens_per_second": {str(w): v for w, v in sorted(fixed.items())},
+            "adaptive_tokens_per_second": adaptive,
+            "adaptive_over_best_fixed": adaptive / best_fixed if adaptive and best_fixed else None,
+            "chosen_widths": {str(w): n for w, n in sorted(chosen.items())},
+            "calibrated": knots is not None,
+            "rows": rows,
+        }
+
+
+Key = tuple[str, Any, Any]  # (method, budget, topk), as `telemetry.analysis.digest` keys configurations
+MAX_PENDING_STEPS = 20_000  # steps waiting for their requests' accepted paths (the oldest go first)
+
+
+@dataclass
+class _Pending:
+    rows: int
+    widths: tuple[int, ...]
+    curves: dict[str, list[float]]  # request -> its prediction at the widths
+    paths: dict[str, list[int]] = field(default_factory=dict)
+
+
+class AdaptiveLog:
+    """Reads a log's records (`Digest.of(lines, each=...)`): the step lines' predictions, joined with the
+    accepted paths their requests' lines bring when they end; a step is replayed once every request in it has
+    ended (steps still waiting past `MAX_PENDING_STEPS`, and those of requests that never ended, are left out)."""
+
+    def __init__(self) -> None:
+        self.replays: dict[Key, AdaptiveReplay] = {}
+        self.pending: dict[tuple[Key, int], _Pending] = {}
+        self.by_request: dict[tuple[Key, str], list[int]] = {}  # the pending steps a request is in
+        self.left_out = 0
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if event == sc.EVENT_STEP:
+            self._step(record)
+        elif event == sc.EVENT_REQUEST:
+            self._request(record)
+
+    def _step(self, s: dict[str, Any]) -> None:
+        curves, widths = s.get(sc.FIELD_PREDICTED_AT_WIDTHS), s.get(sc.FIELD_PREDICTED_WIDTHS)
+        ids = s.get(sc.FIELD_REQUEST_IDS) or []
+        if not curves or not widths or len(ids) != len(curves) or s.get(sc.FIELD_WARMUP):
+            return
+        key: Key = (s[sc.FIELD_METHOD], s[sc.FIELD_BUDGET], s[sc.FIELD_TOPK])
+        rows = s.get(sc.FIELD_ROWS) or len(ids)
+        step = int(s[sc.FIELD_STEP])
+        self.pending[key, step] = _Pending(int(rows), tuple(widths), dict(zip(ids, curves, strict=True)))
+        for rid in ids:
+            self.by_request.setdefault((key, rid), []).append(step)
+        if len(self.pending) > MAX_PENDING_STEPS:
+            del self.pending[next(iter(self.pending))]
+            self.left_out += 1
+
+    def _request(self, r: dict[str, Any]) -> None:
+        key: Key = (r.get(sc.FIELD_METHOD, ""), r.get(sc.FIELD_BUDGET), r.get(sc.FIELD_TOPK))
+        rid = r.get(sc.FIELD_REQUEST_ID)
+        if not isinstance(rid, str):
+            return
+        waiting = self.by_request.pop((key, rid), [])
+        paths = dict(zip(r.get(sc.FIELD_PATH_STEPS) or [], r.get(sc.FIELD_ACCEPTED_PATHS) or [], strict=False))
+        for step in waiting:
+            pending = self.pending.get((key, step))
+            if pending is None:
+                continue
+            if step not in paths:  # the request's line has no path for a step it was in: the step cannot replay
+                del self.pending[key, step]
+                self.left_out += 1
+                continue
+            pending.paths[rid] = list(paths[step])
+            if len(pending.paths) == len(pending.curves):
+                del self.pending[key, step]
+                order = list(pending.curves)
+                replay = self.replays.setdefault(key, AdaptiveReplay())
+                replay.add(
+                    pending.rows, pending.widths, [pending.curves[i] for i in order], [pending.paths[i] for i in order]
+                )
