@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from telemetry.analysis.steps import ConfigStats
+from telemetry.calibration import apply_map, isotonic
 
 FORMAT = "ddtree.cost/2"
 
@@ -61,14 +62,11 @@ def cost_curve(points: list[tuple[int, float]], source: str) -> CostCurve:
 
 
 def non_decreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks: list[tuple[float, int]] = []  # (mean, size)
-    for v in values:
-        blocks.append((v, 1))
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks.pop(), blocks.pop()
-            blocks.append(((m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2))
-    return [m for m, n in blocks for _ in range(n)]
+    """The closest non-decreasing sequence in least squares (`telemetry.calibration.isotonic`)."""
+    if not values:
+        return []
+    positions = list(range(len(values)))
+    return [float(v) for v in apply_map(isotonic(positions, values), positions)]
 
 
 def cost_from_log(configs: list[ConfigStats]) -> CostCurve | None:
