@@ -18,7 +18,7 @@ tree cannot be replayed).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,28 +52,25 @@ class AdaptiveReplay:
         self, cost: CostFile, knots: tuple[Sequence[float], Sequence[float]] | None = None, rows: int | None = None
     ) -> dict[str, Any]:
         """Tokens/s of every fixed width, `ar` (where the cost file times it) and the adaptive rule, and the
-        widths the rule chose (0: `ar`). `rows`: every step costs what it would at that many rows (its
-        requests standing for as many of their kind: the choice scales with the rows, not with who they are)."""
+        widths the rule chose (0: `ar`). `rows`: as if every step ran that many rows; a logged step of more
+        rows stands for several steps of `rows` of its requests each (in order), one of fewer for a step of
+        `rows` requests like its own (its tokens scaled)."""
         tokens: defaultdict[int, float] = defaultdict(float)
         seconds: defaultdict[int, float] = defaultdict(float)
         chosen: Counter[int] = Counter()
-        adaptive_tokens, adaptive_s = 0.0, 0.0
-        for logged, curves, paths in self.steps:
-            batch = cost.batch_for(rows or logged)
+        adaptive_tokens, adaptive_s, steps = 0.0, 0.0, 0
+        for curves, paths, batch_rows, scale in self._groups(rows):
+            steps += 1
+            batch = cost.batch_for(batch_rows)
             ms = {w: cost.curves[batch].step_ms(w) for w in self.widths}
             if batch in cost.ar_step_ms:
                 ms[AR] = cost.ar_step_ms[batch]
-            scale = rows / len(paths) if rows else 1.0  # tokens as if the step had `rows` rows like these
             got = {w: scale * sum(1 + replay_accepted(p, w) for p in paths) for w in self.widths}
             got[AR] = scale * len(paths)
             for w in ms:
                 tokens[w] += got[w]
                 seconds[w] += ms[w] / 1e3
-            expected = curves if knots is None else apply_map(knots, curves)
-            gain = {w: (len(paths) + float(expected[:, j].sum())) / ms[w] for j, w in enumerate(self.widths)}
-            if AR in ms:
-                gain[AR] = len(paths) / ms[AR]
-            best = max(gain, key=lambda w: (gain[w], -w))
+            best = _choice(curves if knots is None else apply_map(knots, curves), self.widths, ms)
             chosen[best] += 1
             adaptive_tokens += got[best]
             adaptive_s += ms[best] / 1e3
@@ -81,7 +78,7 @@ class AdaptiveReplay:
         adaptive = adaptive_tokens / adaptive_s if adaptive_s > 0 else None
         best_fixed = max(fixed.values(), default=None)
         return {
-            "steps": len(self.steps),
+            "steps": steps,
             "fixed_tokens_per_second": {str(w): v for w, v in sorted(fixed.items())},
             "adaptive_tokens_per_second": adaptive,
             "adaptive_over_best_fixed": adaptive / best_fixed if adaptive and best_fixed else None,
@@ -89,6 +86,27 @@ class AdaptiveReplay:
             "calibrated": knots is not None,
             "rows": rows,
         }
+
+    def _groups(self, rows: int | None) -> Iterator[tuple[np.ndarray[Any, Any], list[list[int]], int, float]]:
+        """(curves, paths, rows the step costs at, its tokens' scale) per step to evaluate: each logged step as
+        it ran, or its requests in groups of `rows` (a group of fewer requests scaled up to `rows`)."""
+        for logged, curves, paths in self.steps:
+            if rows is None:
+                yield curves, paths, logged, 1.0
+                continue
+            for start in range(0, len(paths), rows):
+                group = paths[start : start + rows]
+                yield curves[start : start + rows], group, rows, rows / len(group)
+
+
+def _choice(expected: np.ndarray[Any, Any], widths: tuple[int, ...], ms: dict[int, float]) -> int:
+    """The width (0: `ar`, where timed) with the most predicted tokens a ms: (rows + the rows' summed
+    prediction at the width) / the width's step time; the smaller width on a tie."""
+    rows = expected.shape[0]
+    gain = {w: (rows + float(expected[:, j].sum())) / ms[w] for j, w in enumerate(widths)}
+    if AR in ms:
+        gain[AR] = rows / ms[AR]
+    return max(gain, key=lambda w: (gain[w], -w))
 
 
 Key = tuple[str, Any, Any]  # (method, budget, topk), as `telemetry.analysis.digest` keys configurations

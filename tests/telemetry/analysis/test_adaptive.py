@@ -84,3 +84,15 @@ def test_a_step_replays_once_every_request_in_it_has_ended() -> None:
     assert [rows for rows, _, _ in steps] == [4, 4]
     assert sorted(paths for _, _, paths in steps) == [[[1, 2]], [[1, 2], [1]]]
     assert log.left_out == 1 and not log.pending
+
+
+def test_at_fewer_rows_a_step_stands_for_its_requests_in_groups() -> None:
+    curve = cost_curve([(1, 1.0), (2, 1.2)], "test")
+    cost = CostFile({1: curve, 4: curve}, {1: 0.8, 4: 0.8})
+    replay = AdaptiveReplay()
+    replay.add(4, [1, 2], [[0.99, 1.98], [0.05, 0.06]], [[1, 2], []])  # one sure request, one unsure
+    together = replay.evaluate(cost)  # one step of both: (2 + 2.04) / 1.2 = 3.37 a ms at W=2, 3.04 at W=1
+    assert together["steps"] == 1 and together["chosen_widths"] == {"2": 1}
+    alone = replay.evaluate(cost, rows=1)  # each on its own: W=2 for the sure one (2.48), ar for the other (1.25)
+    assert alone["steps"] == 2 and alone["chosen_widths"] == {"0": 1, "2": 1}
+    assert alone["adaptive_tokens_per_second"] == pytest.approx((3 + 1) / 2.0e-3)
