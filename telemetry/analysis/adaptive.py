@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from telemetry import semconv as sc
+from telemetry.analysis.calibration import Observed, calibration_map
 from telemetry.analysis.cost import CostFile
 from telemetry.analysis.replay import replay_accepted
 from telemetry.calibration import apply_map
@@ -48,18 +49,19 @@ class AdaptiveReplay:
             return
         self.steps.append((rows, np.asarray(curves, dtype=np.float64), paths))
 
-    def evaluate(
-        self, cost: CostFile, knots: tuple[Sequence[float], Sequence[float]] | None = None, rows: int | None = None
-    ) -> dict[str, Any]:
+    def evaluate(self, cost: CostFile, calibrated: bool = False, rows: int | None = None) -> dict[str, Any]:
         """Tokens/s of every fixed width, `ar` (where the cost file times it) and the adaptive rule, and the
-        widths the rule chose (0: `ar`). `rows`: as if every step ran that many rows; a logged step of more
+        widths the rule chose (0: `ar`). `calibrated`: the rule reads each width's prediction through that
+        width's map (`maps`), fitted on the other half of the steps (even against odd), so that no step's
+        choice rests on its own outcome. `rows`: as if every step ran that many rows; a logged step of more
         rows stands for several steps of `rows` of its requests each (in order), one of fewer for a step of
         `rows` requests like its own (its tokens scaled)."""
+        folds = (self.maps(1), self.maps(0)) if calibrated else None
         tokens: defaultdict[int, float] = defaultdict(float)
         seconds: defaultdict[int, float] = defaultdict(float)
         chosen: Counter[int] = Counter()
         adaptive_tokens, adaptive_s, steps = 0.0, 0.0, 0
-        for curves, paths, batch_rows, scale in self._groups(rows):
+        for index, curves, paths, batch_rows, scale in self._groups(rows):
             steps += 1
             batch = cost.batch_for(batch_rows)
             ms = {w: cost.curves[batch].step_ms(w) for w in self.widths}
@@ -70,7 +72,8 @@ class AdaptiveReplay:
             for w in ms:
                 tokens[w] += got[w]
                 seconds[w] += ms[w] / 1e3
-            best = _choice(curves if knots is None else apply_map(knots, curves), self.widths, ms)
+            expected = curves if folds is None else _mapped(folds[index % 2], curves)
+            best = _choice(expected, self.widths, ms)
             chosen[best] += 1
             adaptive_tokens += got[best]
             adaptive_s += ms[best] / 1e3
@@ -83,20 +86,38 @@ class AdaptiveReplay:
             "adaptive_tokens_per_second": adaptive,
             "adaptive_over_best_fixed": adaptive / best_fixed if adaptive and best_fixed else None,
             "chosen_widths": {str(w): n for w, n in sorted(chosen.items())},
-            "calibrated": knots is not None,
+            "calibrated": calibrated,
             "rows": rows,
         }
 
-    def _groups(self, rows: int | None) -> Iterator[tuple[np.ndarray[Any, Any], list[list[int]], int, float]]:
-        """(curves, paths, rows the step costs at, its tokens' scale) per step to evaluate: each logged step as
-        it ran, or its requests in groups of `rows` (a group of fewer requests scaled up to `rows`)."""
-        for logged, curves, paths in self.steps:
+    def maps(self, fold: int | None = None) -> list[tuple[list[float], list[float]]]:
+        """Per width, the calibration map from the prediction at that width to the drafts accepted at it
+        (replayed from the paths; `telemetry.analysis.calibration.calibration_map`), over the steps of
+        `fold` (0: the even ones, 1: the odd ones; None: all)."""
+        observed = [Observed() for _ in self.widths]
+        for index, (_, curves, paths) in enumerate(self.steps):
+            if fold is not None and index % 2 != fold:
+                continue
+            for j, w in enumerate(self.widths):
+                observed[j].add(curves[:, j].tolist(), [replay_accepted(p, w) for p in paths])
+        return [calibration_map(o) if o.request_steps else ([0.0], [0.0]) for o in observed]
+
+    def _groups(self, rows: int | None) -> Iterator[tuple[int, np.ndarray[Any, Any], list[list[int]], int, float]]:
+        """(the logged step's index, curves, paths, rows the step costs at, its tokens' scale) per step to
+        evaluate: each logged step as it ran, or its requests in groups of `rows` (a group of fewer requests
+        scaled up to `rows`)."""
+        for index, (logged, curves, paths) in enumerate(self.steps):
             if rows is None:
-                yield curves, paths, logged, 1.0
+                yield index, curves, paths, logged, 1.0
                 continue
             for start in range(0, len(paths), rows):
                 group = paths[start : start + rows]
-                yield curves[start : start + rows], group, rows, rows / len(group)
+                yield index, curves[start : start + rows], group, rows, rows / len(group)
+
+
+def _mapped(maps: list[tuple[list[float], list[float]]], curves: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Each width's column of `curves` through that width's map."""
+    return np.stack([apply_map(m, curves[:, j]) for j, m in enumerate(maps)], axis=1)
 
 
 def _choice(expected: np.ndarray[Any, Any], widths: tuple[int, ...], ms: dict[int, float]) -> int:

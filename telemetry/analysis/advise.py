@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from telemetry.analysis.adaptive import AdaptiveLog
-from telemetry.analysis.calibration import calibration_map
 from telemetry.analysis.cost import CostCurve, CostFile, cost_from_log
 from telemetry.analysis.digest import Digest, Key
 from telemetry.analysis.replay import ReplayTable
@@ -145,25 +144,23 @@ def advise(
         "configs": [asdict(p) for p in predictions],
         "recommended": None if best is None else asdict(best),
         "measured": _measured(digest, key, configs, predictions),
-        "adaptive": _adaptive(digest, key, cost_file, adaptive) if isinstance(cost_file, CostFile) else None,
+        "adaptive": _adaptive(key, cost_file, adaptive) if isinstance(cost_file, CostFile) else None,
     }
 
 
-def _adaptive(digest: Digest, key: Key, cost: CostFile, log: AdaptiveLog | None) -> dict[str, Any] | None:
+def _adaptive(key: Key, cost: CostFile, log: AdaptiveLog | None) -> dict[str, Any] | None:
     """The adaptive rule over the replayed configuration's steps, at the steps' own rows and as if at each
-    batch size of the cost file: as the drafter predicted, and calibrated by the log's own map."""
+    batch size of the cost file: as the drafter predicted, and calibrated per width (cross-fitted)."""
     replay = log.replays.get(key) if log is not None else None
     if replay is None or not replay.steps:
         return None
-    observed = digest.configs[key].calibration if key in digest.configs else None
-    knots = calibration_map(observed) if observed is not None and observed.request_steps else None
     return {
         "widths": list(replay.widths),
         "by_rows": [
             {
                 "rows": rows,
                 "predicted": replay.evaluate(cost, rows=rows),
-                "calibrated": replay.evaluate(cost, knots, rows=rows) if knots is not None else None,
+                "calibrated": replay.evaluate(cost, calibrated=True, rows=rows),
             }
             for rows in [None, *sorted(cost.curves)]
         ],

@@ -9,6 +9,7 @@ import pytest
 from telemetry import semconv as sc
 from telemetry.analysis.adaptive import AR, AdaptiveLog, AdaptiveReplay
 from telemetry.analysis.cost import CostFile, cost_curve
+from telemetry.calibration import apply_map
 
 COST = CostFile({4: cost_curve([(1, 1.0), (2, 1.5)], "test")}, {4: 0.8})  # ms per step at 4 rows
 
@@ -31,12 +32,20 @@ def test_each_step_runs_the_width_its_prediction_says_pays_most() -> None:
     assert result["adaptive_over_best_fixed"] == pytest.approx(result["adaptive_tokens_per_second"] / best)
 
 
-def test_the_calibration_map_changes_what_the_rule_believes() -> None:
+def test_calibrated_the_rule_reads_what_each_width_was_seen_to_give() -> None:
+    curve = cost_curve([(1, 1.0), (2, 1.2)], "test")
+    cost = CostFile({1: curve}, {})
     replay = AdaptiveReplay()
-    replay.add(4, [1, 2], [[0.9, 1.8]], [[1, 2]])
-    assert replay.evaluate(COST)["chosen_widths"] == {"1": 1}  # (1 + 0.9) / 1 > (1 + 1.8) / 1.5 ... barely
-    fifth = ([0.0, 5.0], [0.0, 1.0])  # the drafter claims five times what the target accepts
-    assert replay.evaluate(COST, fifth)["chosen_widths"] == {str(AR): 1}  # (1 + 0.18) / 1 < 1 / 0.8
+    for _ in range(4):  # the drafter promises 1.8 drafts at W=2; the second node is never accepted
+        replay.add(1, [1, 2], [[0.9, 1.8]], [[1]])
+    maps = replay.maps()
+    assert [float(apply_map(m, [p])[0]) for m, p in zip(maps, [0.9, 1.8], strict=True)] == [1.0, 1.0]
+    raw = replay.evaluate(cost)  # (1 + 1.8) / 1.2 = 2.33 a ms at W=2 against 1.9 at W=1
+    assert raw["chosen_widths"] == {"2": 4}
+    calibrated = replay.evaluate(cost, calibrated=True)  # (1 + 1) / 1.2 = 1.67 against 2.0: W=1
+    assert calibrated["chosen_widths"] == {"1": 4}
+    assert calibrated["adaptive_tokens_per_second"] == pytest.approx(2 / 1e-3)
+    assert raw["adaptive_tokens_per_second"] == pytest.approx(2 / 1.2e-3)
 
 
 def _step(step: int, ids: list[str], curves: list[list[float]], warmup: bool = False) -> dict[str, Any]:
