@@ -7,8 +7,10 @@
   (before the prefill): the handler's queue time.
 - Between steps the thread leaves cancelled slots, joins waiting jobs into free slots (continuous batching:
   a request that arrives mid-generation joins at the next step boundary), steps while a slot is active,
-  delivers each request its new tokens and acceptance lengths, and leaves finished slots. With nothing to
-  do it waits on a condition variable: no busy loop.
+  delivers each request its new tokens and acceptance lengths, and leaves finished slots. `delivered` runs
+  after each round of deliveries: after each step, and after a join whose first tokens were read at once (a
+  session without pipelining), so that those reach the handlers without waiting for the next step. With
+  nothing to do it waits on a condition variable: no busy loop.
 - `cancel` (a client that went away, a stop string that matched) takes a job out of the queue, or marks it
   so that its slot is left at the next step boundary.
 - A failed join fails the joining requests; a failed step fails every request in the session, which is
@@ -171,7 +173,8 @@ class DecodeWorker:
         try:
             while (batch := self._next_batch()) is not None:
                 self._leave_cancelled()
-                self._join(batch)
+                if self._join(batch):
+                    self._flush()  # first tokens read at the join go out now, not after the next step
                 if self._running:
                     self._step()
                 if not self._running:
@@ -210,10 +213,12 @@ class DecodeWorker:
                 self._forget(slot)
                 self.cancelled += 1
 
-    def _join(self, jobs: list[Job]) -> None:
+    def _join(self, jobs: list[Job]) -> bool:
+        """Take `jobs` into slots (a prefill); True where some joined and their first tokens were read at
+        once (a session without pipelining), to be delivered before the next step."""
         jobs = [j for j in jobs if not j.cancelled]
         if not jobs:
-            return
+            return False
         joined = time.perf_counter()
         for job in jobs:
             job.joined_at = joined
@@ -224,10 +229,11 @@ class DecodeWorker:
             self.failures += 1
             for job in jobs:
                 _send(job, Update([], [], error=JOIN_FAILED))
-            return
+            return True
         with self._cond:
             self._running.update({slot: _Running(job) for slot, job in zip(slots, jobs, strict=True)})
         self._publish()  # the prefill's first tokens where the session read them at once (not pipelined)
+        return self._session().pipeline_depth == 1
 
     def _step(self) -> None:
         try:

@@ -110,3 +110,20 @@ def test_a_client_gone_before_a_whole_response_cancels_its_request(live: tuple[s
     wait_until(lambda: state.worker.running() == 0, timeout=5)
     assert state.worker.cancelled == 1 and state.worker.steps < 100
     wait_until(lambda: 'status="499"' in httpx.get(f"{url}/metrics").text, timeout=5)
+
+
+def test_a_first_token_read_at_the_join_goes_out_before_the_next_step(
+    worker: DecodeWorker, served: ServedModel
+) -> None:
+    """A session without pipelining reads the prefill's token at the join: the round that delivers it is
+    handed on (`delivered`) at once, not after the step that follows."""
+    events: list[str] = []
+    worker.delivered = lambda: events.append("delivered")
+    worker.step_hook = lambda steps, slots: events.append("step")
+    done: list[Update] = []
+    job = Job(Request(encode(served, "Hello"), 4), lambda u: (events.append("update"), done.append(u)))
+    worker.submit(job)
+    wait_until(lambda: bool(done) and done[-1].finish_reason is not None)
+    assert worker.session is not None and worker.session.pipeline_depth == 1
+    assert events[:2] == ["update", "delivered"]  # before: the next step's update and hook came first
+    assert events.index("delivered") < events.index("step")
