@@ -18,6 +18,9 @@
 # B=16 and auto (served-engine), then `ddtree serve` for each under as many streaming clients (bench_serve.py
 # --heldout --chat over LOAD_PROCESSES load processes, default 4), the load generator's ceiling against
 # stub_server.py, and the table (served). SCHEDULE names the schedule auto follows (default WORK/schedule.json).
+# prediction: telemetry logs of the held-out set at B=64 in 1, 16 and 64 slots (benchmarks/prediction_log.py) and
+# `ddtree advise` on each under COSTS (a cost file, e.g. benchmarks/results/h100-smollm2-bf16-v3-tune-costs-run2.json;
+# default WORK/tune/tune-costs.json, what the tune step keeps): the drafter's calibration and the adaptive width replayed.
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -97,6 +100,12 @@ if has served; then  # 64 requests, and 4 per client where that is more (256 at 
     --processes "${LOAD_PROCESSES:-4}" --out "$work/ceiling.json"
   kill $stub
   $PY benchmarks/served_table.py "$work/engine-rows-1,4,16.json,$work/engine-rows-64.json" "$work/served.json"
+fi
+if has prediction; then  # the drafter's prediction on the GPU: calibration, and the adaptive width replayed
+  for slots in 1 16 64; do
+    $PY benchmarks/prediction_log.py "$target" "$work/prediction_s$slots.jsonl" --dtype bfloat16 --slots "$slots"
+    $PY -m ddtree.cli advise "$work/prediction_s$slots.jsonl" --cost-curve "${COSTS:-$work/tune/tune-costs.json}"
+  done
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
 if has hybrid-tests; then  # the hybrids' GDN and SSM kernels, compiled regions and lossless tests on the GPU
