@@ -18,9 +18,9 @@
 # B=16 and auto (served-engine), then `ddtree serve` for each under as many streaming clients (bench_serve.py
 # --heldout --chat over LOAD_PROCESSES load processes, default 4), the load generator's ceiling against
 # stub_server.py, and the table (served). SCHEDULE names the schedule auto follows (default WORK/schedule.json).
-# prediction: telemetry logs of the held-out set at B=64 in 1, 16 and 64 slots (benchmarks/prediction_log.py) and
-# `ddtree advise` on each under COSTS (a cost file, e.g. benchmarks/results/h100-smollm2-bf16-v3-tune-costs-run2.json;
-# default WORK/tune/tune-costs.json, what the tune step keeps): the drafter's calibration and the adaptive width replayed.
+# prediction: telemetry logs of the held-out set at B=64 in 1, 16 and 64 slots (benchmarks/prediction_log.py),
+# and `ddtree advise` on each under COSTS, a cost file (default WORK/tune/tune-costs.json, what the tune step
+# keeps; or benchmarks/results/h100-smollm2-bf16-v3-tune-costs-run2.json): calibration and the adaptive replay.
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
