@@ -249,6 +249,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(label: str, stats: dict[str, Any], baseline: dict[str, Any] | None = None) -> None:
+    """A load's line (after its untimed run's, where `--warm-load` made one)."""
+    if "cold" in stats:
+        report(f"{label} (untimed, cold)", stats["cold"])
     versus = f" ({stats['out_tok_per_s'] / baseline['out_tok_per_s']:.2f}x)" if baseline else ""
     steps = sum(stats["step_budgets"].values()) or 1
     budgets = ", ".join(f"B={b} {n / steps:.0%}" for b, n in stats["step_budgets"].items())
@@ -376,8 +379,6 @@ def main() -> int:
     if args.url:
         for clients in args.clients:
             results.append({"server": args.url, **_measured(args.url.rstrip("/"), _load(args, clients))})
-            if "cold" in results[-1]:
-                report(f"{args.url} (untimed, cold)", results[-1]["cold"])
             report(args.url, results[-1])
     else:
         model, drafter = args.spawn
@@ -389,8 +390,6 @@ def main() -> int:
             first = first or loads
             for load, base in zip(loads, first, strict=True):
                 results.append({"server": label, **load})
-                if "cold" in load:
-                    report(f"{label} (untimed, cold)", load["cold"])
                 report(label, load, base if first is not loads else None)
             if args.out:  # after each server: what was measured survives a run cut short
                 Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

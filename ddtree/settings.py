@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ddtree.errors import SettingsError
-from ddtree.methods import check_tree, get_method
+from ddtree.methods import TreeShape, check_tree, get_method
 from ddtree.schedule import BudgetSchedule, ShapeSchedule
 
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's `top_logprobs` cap)
@@ -71,6 +71,10 @@ def check_request_settings(
 def tree_shapes(config: GenerationConfig, depth: int) -> ShapeSchedule:
     """The trees `config` verifies on a drafter of `depth` draft positions (its block size - 1), by the rows a
     step runs: one shape, or its schedule's."""
+
+    def shape(method: str, budget: int, topk: int | None) -> TreeShape:
+        return get_method(method).shape(budget, topk, depth)
+
     if config.schedule is None:
-        return ShapeSchedule.fixed(get_method(config.method).shape(config.budget, config.topk, depth))
-    return config.schedule.resolve(lambda method, budget, topk: get_method(method).shape(budget, topk, depth))
+        return ShapeSchedule.fixed(shape(config.method, config.budget, config.topk))
+    return config.schedule.resolve(shape)

@@ -33,6 +33,11 @@ class Request:
         """Whether top-p or top-k cuts this request's samples (never at T = 0: greedy is unfiltered)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
 
+    def check_settings(self) -> None:
+        """SettingsError for a limit or sampling setting out of range (`ddtree.settings.check_request_settings`):
+        the server checks each request's body with it, the session each request that joins."""
+        check_request_settings(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.logprobs)
+
 
 @dataclass
 class RequestOutput:
@@ -150,8 +155,7 @@ def check_request(request: Request, needed: int, capacity: int) -> None:
     """A request a session can take: a prompt, a limit, sampling within range (SettingsError) and the room."""
     if not request.prompt:
         raise ValueError("every prompt needs at least one token")
-    r = request
-    check_request_settings(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.logprobs)
+    request.check_settings()
     if needed > capacity:
         raise ValueError(
             f"a request needs {needed} cache slots (prompt, new tokens, one tree), the session has {capacity}"

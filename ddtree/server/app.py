@@ -63,7 +63,6 @@ from ddtree.server.responses import Reply, ddtree_block, usage_block
 from ddtree.server.schemas import ChatRequest, CompletionRequest, Sampling
 from ddtree.server.text import TextStream
 from ddtree.server.worker import QueueFull, WorkerStopped
-from ddtree.settings import check_request_settings
 from telemetry import semconv as sc
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -294,8 +293,7 @@ def _start(
         logprobs=top,
     )
     try:
-        r = request
-        check_request_settings(r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.logprobs)
+        request.check_settings()
     except SettingsError as exc:
         raise settings_error(exc) from None
     tokenizer = state.model.tokenizer

@@ -9,8 +9,8 @@ Per logged step of r rows, each row i with its prediction E_i(W) at the widths t
     ar:             tokens = r,  time = the cost file's ar step at r rows (where it has one)
 
 accepted_i(W) is the replay of `telemetry.analysis.replay` (the path's nodes with index <= W), exact per step
-at T=0 and an estimate over whole requests, as it says there; m is the calibration map (`analyze`'s, fitted by
-`telemetry.calibration.isotonic`; the identity without one). Each rule's tokens/s is its tokens over its time,
+at T=0 and an estimate over whole requests, as it says there; m is the identity, or calibrated, width W's own
+map from E(W) to accepted(W) (`AdaptiveReplay.maps`, cross-fitted). Each rule's tokens/s is its tokens over its time,
 summed over the steps. The log must come from a run at the largest width to consider (widths above the logged
 tree cannot be replayed).
 """
@@ -27,10 +27,12 @@ import numpy as np
 from telemetry import semconv as sc
 from telemetry.analysis.calibration import Observed, calibration_map
 from telemetry.analysis.cost import CostFile
+from telemetry.analysis.digest import Key
 from telemetry.analysis.replay import replay_accepted
 from telemetry.calibration import apply_map
 
 AR = 0  # the width of an `ar` step: no tree
+Maps = list[tuple[list[float], list[float]]]  # per width, a calibration map's knots
 
 
 @dataclass
@@ -39,6 +41,8 @@ class AdaptiveReplay:
 
     widths: tuple[int, ...] = ()
     steps: list[tuple[int, np.ndarray[Any, Any], list[list[int]]]] = field(default_factory=list)  # rows, curves, paths
+    accepted: list[np.ndarray[Any, Any]] = field(default_factory=list)  # per step [requests, widths]: replayed
+    _folds: tuple[int, tuple[Maps, Maps]] | None = field(default=None, repr=False, compare=False)
 
     def add(self, rows: int, widths: Sequence[int], curves: Sequence[Sequence[float]], paths: list[list[int]]) -> None:
         """One step: `rows` rows ran (the cost's batch size), `curves` [requests][widths] and each request's
@@ -48,6 +52,7 @@ class AdaptiveReplay:
         if tuple(widths) != self.widths or len(curves) != len(paths) or not paths:
             return
         self.steps.append((rows, np.asarray(curves, dtype=np.float64), paths))
+        self.accepted.append(np.asarray([[replay_accepted(p, w) for w in self.widths] for p in paths], dtype=np.int64))
 
     def evaluate(self, cost: CostFile, calibrated: bool = False, rows: int | None = None) -> dict[str, Any]:
         """Tokens/s of every fixed width, `ar` (where the cost file times it) and the adaptive rule, and the
@@ -56,19 +61,20 @@ class AdaptiveReplay:
         choice rests on its own outcome. `rows`: as if every step ran that many rows; a logged step of more
         rows stands for several steps of `rows` of its requests each (in order), one of fewer for a step of
         `rows` requests like its own (its tokens scaled)."""
-        folds = (self.maps(1), self.maps(0)) if calibrated else None
+        folds = self.cross_fitted() if calibrated else None
         tokens: defaultdict[int, float] = defaultdict(float)
         seconds: defaultdict[int, float] = defaultdict(float)
         chosen: Counter[int] = Counter()
         adaptive_tokens, adaptive_s, steps = 0.0, 0.0, 0
-        for index, curves, paths, batch_rows, scale in self._groups(rows):
+        for index, curves, accepted, batch_rows, scale in self._groups(rows):
             steps += 1
             batch = cost.batch_for(batch_rows)
             ms = {w: cost.curves[batch].step_ms(w) for w in self.widths}
             if batch in cost.ar_step_ms:
                 ms[AR] = cost.ar_step_ms[batch]
-            got = {w: scale * sum(1 + replay_accepted(p, w) for p in paths) for w in self.widths}
-            got[AR] = scale * len(paths)
+            requests = len(accepted)
+            got = {w: scale * (requests + int(accepted[:, j].sum())) for j, w in enumerate(self.widths)}
+            got[AR] = scale * requests
             for w in ms:
                 tokens[w] += got[w]
                 seconds[w] += ms[w] / 1e3
@@ -90,32 +96,39 @@ class AdaptiveReplay:
             "rows": rows,
         }
 
-    def maps(self, fold: int | None = None) -> list[tuple[list[float], list[float]]]:
+    def cross_fitted(self) -> tuple[Maps, Maps]:
+        """The maps the even steps read (fitted on the odd ones) and those the odd steps read; fitted once for
+        the steps added so far."""
+        if self._folds is None or self._folds[0] != len(self.steps):
+            self._folds = (len(self.steps), (self.maps(1), self.maps(0)))
+        return self._folds[1]
+
+    def maps(self, fold: int | None = None) -> Maps:
         """Per width, the calibration map from the prediction at that width to the drafts accepted at it
         (replayed from the paths; `telemetry.analysis.calibration.calibration_map`), over the steps of
         `fold` (0: the even ones, 1: the odd ones; None: all)."""
         observed = [Observed() for _ in self.widths]
-        for index, (_, curves, paths) in enumerate(self.steps):
+        for index, ((_, curves, _), accepted) in enumerate(zip(self.steps, self.accepted, strict=True)):
             if fold is not None and index % 2 != fold:
                 continue
-            for j, w in enumerate(self.widths):
-                observed[j].add(curves[:, j].tolist(), [replay_accepted(p, w) for p in paths])
+            for j in range(len(self.widths)):
+                observed[j].add(curves[:, j].tolist(), accepted[:, j].tolist())
         return [calibration_map(o) if o.request_steps else ([0.0], [0.0]) for o in observed]
 
-    def _groups(self, rows: int | None) -> Iterator[tuple[int, np.ndarray[Any, Any], list[list[int]], int, float]]:
-        """(the logged step's index, curves, paths, rows the step costs at, its tokens' scale) per step to
-        evaluate: each logged step as it ran, or its requests in groups of `rows` (a group of fewer requests
+    def _groups(self, rows: int | None) -> Iterator[tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any], int, float]]:
+        """(the logged step's index, curves, accepted drafts, rows the step costs at, its tokens' scale) per step
+        to evaluate: each logged step as it ran, or its requests in groups of `rows` (a group of fewer requests
         scaled up to `rows`)."""
-        for index, (logged, curves, paths) in enumerate(self.steps):
+        for index, ((logged, curves, _), accepted) in enumerate(zip(self.steps, self.accepted, strict=True)):
             if rows is None:
-                yield index, curves, paths, logged, 1.0
+                yield index, curves, accepted, logged, 1.0
                 continue
-            for start in range(0, len(paths), rows):
-                group = paths[start : start + rows]
+            for start in range(0, len(accepted), rows):
+                group = accepted[start : start + rows]
                 yield index, curves[start : start + rows], group, rows, rows / len(group)
 
 
-def _mapped(maps: list[tuple[list[float], list[float]]], curves: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def _mapped(maps: Maps, curves: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """Each width's column of `curves` through that width's map."""
     return np.stack([apply_map(m, curves[:, j]) for j, m in enumerate(maps)], axis=1)
 
@@ -130,7 +143,6 @@ def _choice(expected: np.ndarray[Any, Any], widths: tuple[int, ...], ms: dict[in
     return max(gain, key=lambda w: (gain[w], -w))
 
 
-Key = tuple[str, Any, Any]  # (method, budget, topk), as `telemetry.analysis.digest` keys configurations
 MAX_PENDING_STEPS = 20_000  # steps waiting for their requests' accepted paths (the oldest go first)
 
 
@@ -176,7 +188,7 @@ class AdaptiveLog:
             self.left_out += 1
 
     def _request(self, r: dict[str, Any]) -> None:
-        key: Key = (r.get(sc.FIELD_METHOD, ""), r.get(sc.FIELD_BUDGET), r.get(sc.FIELD_TOPK))
+        key: Key = (r.get(sc.FIELD_METHOD, ""), r.get(sc.FIELD_BUDGET, 0), r.get(sc.FIELD_TOPK))
         rid = r.get(sc.FIELD_REQUEST_ID)
         if not isinstance(rid, str):
             return

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from telemetry.analysis.adaptive import AdaptiveLog
+from telemetry.analysis.adaptive import AR, AdaptiveLog
 from telemetry.analysis.cost import CostCurve, CostFile, cost_from_log
 from telemetry.analysis.digest import Digest, Key
 from telemetry.analysis.replay import ReplayTable
@@ -110,7 +110,7 @@ def advise(
     """The predictions, the recommendation, and predicted against measured for the ddtree configurations
     in the log. A cost file of several batch sizes gives the curve nearest the replayed run's active requests
     per step. With a cost file and `adaptive` (the same log's predictions, read alongside the digest) also
-    the adaptive rule replayed, as the drafter predicted and calibrated by the log's own map. Raises
+    the adaptive rule replayed, as the drafter predicted and calibrated per width (`AdaptiveReplay`). Raises
     ValueError when the log has no accepted paths, IncompleteLog when too much is missing."""
     source = digest.replay_source()
     if source is None:
@@ -254,17 +254,22 @@ def adaptive_lines(adaptive: dict[str, Any] | None) -> list[str]:
         f"  {'rows':>6}{'steps':>7}{'best fixed':>18}{'adaptive':>10}{'x':>7}{'calibrated':>12}{'x':>7}  widths chosen",
     ]
     for entry in adaptive["by_rows"]:
-        raw, cal = entry["predicted"], entry["calibrated"] or entry["predicted"]
+        raw, cal = entry["predicted"], entry["calibrated"]
         fixed = raw["fixed_tokens_per_second"]
         width = max(fixed, key=fixed.get)
-        best = f"{'ar' if width == '0' else 'W=' + width} {fixed[width]:.0f}"
-        chosen = " ".join(f"{'ar' if w == '0' else w}:{n}" for w, n in cal["chosen_widths"].items())
+        best = f"{_width(width, 'W=')} {fixed[width]:.0f}"
+        chosen = " ".join(f"{_width(w)}:{n}" for w, n in cal["chosen_widths"].items())
         lines.append(
             f"  {entry['rows'] or 'log':>6}{raw['steps']:>7}{best:>18}{raw['adaptive_tokens_per_second']:>10.0f}"
             f"{raw['adaptive_over_best_fixed']:>7.3f}{cal['adaptive_tokens_per_second']:>12.0f}"
             f"{cal['adaptive_over_best_fixed']:>7.3f}  {chosen}"
         )
     return lines
+
+
+def _width(width: str, prefix: str = "") -> str:
+    """A replayed width's label: `ar` for width 0 (no tree)."""
+    return "ar" if width == str(AR) else prefix + width
 
 
 def recommendation_line(rec: dict[str, Any]) -> str:
