@@ -99,6 +99,16 @@ def method_label(name: str, budget: int | None = None, topk: int | None = None) 
     return method.label(budget, topk) if method is not None else name
 
 
+def curve_widths(budget: int) -> list[int]:
+    """The widths below a tree of `budget` draft nodes that a step's prediction is given at and an adaptive
+    step chooses between: the powers of two below `budget`, and `budget` itself."""
+    widths, w = [], 1
+    while w < budget:
+        widths.append(w)
+        w *= 2
+    return [*widths, budget] if budget > 0 else []
+
+
 def mean_acceptance_length(lengths: list[int]) -> float | None:
     """tau: the mean of per-step acceptance lengths (accepted drafts + 1). None when there are no steps."""
     return sum(lengths) / len(lengths) if lengths else None

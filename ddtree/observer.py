@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 # metric labels after them.
 STAGE_DRAFT: Final = "draft"
 STAGE_TREE_BUILD: Final = "tree_build"
+STAGE_DECIDE: Final = "decide"  # an adaptive step's choice of width, its one small readback included
 STAGE_VERIFY: Final = "verify"
 STAGE_ACCEPT: Final = "accept"
 STAGES: Final = (STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_VERIFY, STAGE_ACCEPT)
+# Every stage a step may have, in order: an adaptive step (`--budget adaptive`) decides its width between them.
+ALL_STAGES: Final = (STAGE_DRAFT, STAGE_TREE_BUILD, STAGE_DECIDE, STAGE_VERIFY, STAGE_ACCEPT)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,10 @@ class StepObserver(Protocol):
         (the first step of a shape), so its times are not what the shape's steps cost. `shape`: the tree it
         verifies, where the loop knows it (a session whose budget follows the load changes it between steps)."""
 
+    def on_width(self, step: int, shape: TreeShape, gain: float) -> None:
+        """An adaptive step chose the tree it verifies, `shape` (the `ar` shape: no drafts), predicting `gain`
+        times the tokens per second of an `ar` step; after its stages, before its tokens are read."""
+
     def on_stage_start(self, stage: str) -> None:
         """A stage (`STAGES`) begins: right after the step began or the previous stage
         ended (the loop does no work in between, so the two may share one time stamp)."""
@@ -154,6 +161,9 @@ class NoopObserver:
         pass
 
     def on_step_start(self, step: int, batch_size: int, warmup: bool = False, shape: TreeShape | None = None) -> None:
+        pass
+
+    def on_width(self, step: int, shape: TreeShape, gain: float) -> None:
         pass
 
     def on_stage_start(self, stage: str) -> None:

@@ -205,11 +205,17 @@ def run_generate(request: GenerateRequest) -> Iterator[dict[str, Any]]:
         result = request.options.engine(target, drafter, telemetry.observer).generate(prompts, config)
     finally:
         telemetry.shutdown()
+    switching = request.generation.adaptive or request.generation.schedule is not None
     for out in result.outputs:
-        yield {
+        record: dict[str, Any] = {
             "token_ids": out.token_ids,
             "text": completion_text(tokenizer, out.token_ids),
             "steps": len(out.acceptance_lengths),
             "acceptance_lengths": out.acceptance_lengths,
             "tokens_per_second": result.new_tokens / result.seconds if result.seconds > 0 else 0.0,
         }
+        if switching:  # the tree changes between steps: each step's draft nodes (0: ar), and gains if adaptive
+            record["step_budgets"] = out.budgets
+        if request.generation.adaptive:
+            record["step_gains"] = [round(g, 4) for g in out.gains]
+        yield record

@@ -102,10 +102,16 @@ class ShapeSchedule:
     entry is a fixed shape."""
 
     entries: tuple[tuple[int, TreeShape], ...]
+    adaptive: bool = False  # each step chooses its width, up to the one shape's (`ddtree.adaptive`)
 
     @classmethod
     def fixed(cls, shape: TreeShape) -> ShapeSchedule:
         return cls(((1, shape),))
+
+    @classmethod
+    def up_to(cls, shape: TreeShape) -> ShapeSchedule:
+        """Each step's width chosen by its own tree, up to `shape`'s."""
+        return cls(((1, shape),), adaptive=True)
 
     def shape_for(self, rows: float) -> TreeShape:
         size = nearest([b for b, _ in self.entries], rows)
@@ -123,7 +129,8 @@ class ShapeSchedule:
 
     @property
     def switching(self) -> bool:
-        return len(self.shapes) > 1
+        """Whether the tree changes between steps."""
+        return self.adaptive or len(self.shapes) > 1
 
 
 def write_schedule(path: Path, schedule: BudgetSchedule) -> None:

@@ -34,6 +34,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     eos_token_ids: tuple[int, ...] = ()
     schedule: BudgetSchedule | None = None  # ddtree only: the tree follows the load (budget and topk unused)
+    adaptive: bool = False  # ddtree only: each step verifies the width its tree predicts pays most, up to budget
     top_p: float = 1.0  # in (0, 1]: nucleus sampling of the target's tokens at T > 0 (1: off)
     top_k: int = 0  # the target samples among its k most probable tokens at T > 0 (0: off)
     logprobs: int | None = None  # None: no log-probabilities; 0: the emitted tokens'; N: and N alternatives each
@@ -46,6 +47,12 @@ def check_generation(config: GenerationConfig, vocab_size: int | None = None, pr
     if config.schedule is not None and config.method != "ddtree":
         raise SettingsError(
             "schedule", f"needs method 'ddtree' (a budget schedule chooses ddtree trees), got method {config.method!r}"
+        )
+    if config.adaptive and (config.method != "ddtree" or config.schedule is not None):
+        raise SettingsError(
+            "adaptive",
+            f"needs method 'ddtree' and no budget schedule, got method {config.method!r}"
+            + (" and a schedule" if config.schedule is not None else ""),
         )
     if not 0 <= config.seed <= SEED_LIMIT - prompts:
         raise SettingsError("seed", f"must be in 0..{SEED_LIMIT - prompts} (for {prompts} prompts), got {config.seed}")
@@ -75,6 +82,8 @@ def tree_shapes(config: GenerationConfig, depth: int) -> ShapeSchedule:
     def shape(method: str, budget: int, topk: int | None) -> TreeShape:
         return get_method(method).shape(budget, topk, depth)
 
+    if config.adaptive:
+        return ShapeSchedule.up_to(shape(config.method, config.budget, config.topk))
     if config.schedule is None:
         return ShapeSchedule.fixed(shape(config.method, config.budget, config.topk))
     return config.schedule.resolve(shape)

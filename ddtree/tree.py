@@ -45,6 +45,18 @@ class DraftTree:
         slots = torch.arange(self.width, device=self.tokens.device)
         return slots[None, :] <= self.num_nodes[:, None]
 
+    def first(self, budget: int) -> DraftTree:
+        """The tree of the first `budget` draft nodes: the `budget` most probable prefixes, since nodes come in
+        order of decreasing probability and a parent before its children (views of this tree's tensors)."""
+        end = 1 + budget
+        return DraftTree(
+            tokens=self.tokens[:, :end],
+            parents=self.parents[:, :end],
+            depths=self.depths[:, :end],
+            log_probs=self.log_probs[:, :end],
+            num_nodes=self.num_nodes.clamp(max=budget),
+        )
+
 
 def ancestor_mask(tree: DraftTree) -> torch.Tensor:
     """[batch, nodes, nodes] bool: entry (i, j) is true when node j is node i or one of its ancestors.

@@ -19,16 +19,6 @@ import numpy as np
 import numpy.typing as npt
 
 
-def curve_widths(budget: int) -> list[int]:
-    """The widths a step's prediction is given at, for a tree of `budget` draft nodes: the powers of two
-    below it, and the budget itself."""
-    widths, w = [], 1
-    while w < budget:
-        widths.append(w)
-        w *= 2
-    return [*widths, budget] if budget > 0 else []
-
-
 def expected_accepted(log_probs: npt.NDArray[np.floating], widths: Sequence[int]) -> npt.NDArray[np.float64]:
     """`log_probs` [rows, 1 + budget] (node 0 the root, padding -inf), the tree's prefix log-probabilities in
     the tree's order -> [rows, len(widths)]: the expected accepted drafts of each row's first W nodes, per W."""

@@ -64,6 +64,7 @@ class _Pending:
     slot_ids: list[str | None] = field(default_factory=list)  # each slot's request when the step started
     rows: int = 0  # rows the step ran
     warmup: bool = False  # the step compiled or captured
+    gain: float | None = None  # an adaptive step's predicted gain (`on_width`)
 
 
 DRAIN_EVERY = 8  # records are resolved in groups: the same code run eight times in a row, with warm caches
@@ -143,6 +144,13 @@ class Collector:
         if info is None or shape is None:
             return info
         return info.with_tree(shape.method, shape.budget, shape.topk)
+
+    def on_width(self, step: int, shape: TreeShape, gain: float) -> None:
+        """An adaptive step's tree: the step record's budget is the width it verified."""
+        record = self.started.get(step)
+        if record is not None:
+            record.info = self._step_info(shape)
+            record.gain = gain
 
     def on_stage_start(self, stage: str) -> None:
         assert self.current is not None
@@ -293,6 +301,7 @@ class Collector:
             warmup=record.warmup,
             rows=record.rows,
             ranks=tree.get("ranks"),
+            gain=record.gain,
         )
 
     def _times(self, record: _Pending) -> tuple[int, int, dict[str, tuple[int, int]]]:

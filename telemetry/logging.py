@@ -109,6 +109,8 @@ class LogSink:
             sc.FIELD_START_NS: stats.start_ns,
             sc.FIELD_END_NS: stats.end_ns,
         }
+        if stats.gain is not None:
+            fields[sc.FIELD_PREDICTED_GAIN] = round(stats.gain, 4)
         predicted = stats.predicted
         if predicted is not None and stats.predicted_widths:
             fields[sc.FIELD_PREDICTED_ACCEPTED] = [round(row[-1], 4) for row in predicted]

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Final
 
+from ddtree.observer import ALL_STAGES as ALL_STAGES
+
 # Stages of one decode step, in order: the observer protocol's names (`ddtree.observer`), which the engine
 # calls its hooks with; the spans and the stage label below are named after them.
 from ddtree.observer import STAGE_ACCEPT as STAGE_ACCEPT
+from ddtree.observer import STAGE_DECIDE as STAGE_DECIDE
 from ddtree.observer import STAGE_DRAFT as STAGE_DRAFT
 from ddtree.observer import STAGE_TREE_BUILD as STAGE_TREE_BUILD
 from ddtree.observer import STAGE_VERIFY as STAGE_VERIFY
@@ -34,6 +37,7 @@ ATTR_BATCH_SIZE: Final = "ddtree.batch_size"  # requests that decoded in the ste
 ATTR_ROWS: Final = "ddtree.rows"  # rows the step ran
 ATTR_WARMUP: Final = "ddtree.warmup"  # the step carried compilation or graph capture
 ATTR_BUDGET: Final = "ddtree.budget"
+ATTR_PREDICTED_GAIN: Final = "ddtree.predicted_gain"  # an adaptive step: its predicted tokens/s over ar's
 ATTR_TOPK: Final = "ddtree.topk"
 ATTR_TREE_NODES: Final = "ddtree.tree.nodes"
 ATTR_TREE_DEPTH: Final = "ddtree.tree.depth"
@@ -247,6 +251,7 @@ FIELD_ACCEPTED_DRAFTS: Final = "accepted_drafts"
 FIELD_PREDICTED_ACCEPTED: Final = "predicted_accepted"
 FIELD_PREDICTED_WIDTHS: Final = "predicted_widths"
 FIELD_PREDICTED_AT_WIDTHS: Final = "predicted_accepted_at_widths"
+FIELD_PREDICTED_GAIN: Final = "predicted_gain"  # an adaptive step: the width it chose, over ar, in tokens/s
 FIELD_ACCEPTED_PER_DEPTH: Final = "accepted_per_depth"
 FIELD_ACCEPTED_RANKS: Final = "accepted_ranks"  # per request: each accepted draft's rank at its depth (0: top-1)
 FIELD_OFF_CHAIN_PARENT_NODES_PER_DEPTH: Final = "off_chain_parent_nodes_per_depth"  # nodes whose parent is off chain

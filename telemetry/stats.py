@@ -15,8 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ddtree.methods import curve_widths
 from ddtree.observer import GenerateInfo, RequestResult
-from telemetry.calibration import curve_widths, expected_accepted
+from telemetry.calibration import expected_accepted
 from telemetry.chain import ChainCounts, off_chain_parent_nodes
 from telemetry.tally import reached_per_depth
 
@@ -41,6 +42,7 @@ class StepStats:
     rows: int | None = None  # rows the step ran (slots 0..rows-1, free ones included); None: one per request
     ranks: npt.NDArray[np.int64] | None = None  # [active requests, depth]: the accepted path's ranks (columns
     # past a row's accepted drafts are not its path); None: the loop read none back (SGLang's worker)
+    gain: float | None = None  # an adaptive step: its width's predicted tokens/s over an ar step's
 
     @cached_property
     def tree_nodes(self) -> list[int]:
@@ -65,7 +67,7 @@ class StepStats:
 
     @cached_property
     def predicted_widths(self) -> list[int]:
-        """The widths `predicted` is given at (`telemetry.calibration.curve_widths` of the tree's budget)."""
+        """The widths `predicted` is given at (`ddtree.methods.curve_widths` of the tree's budget)."""
         if self.log_probs is None:
             return []
         return curve_widths(int(self.log_probs.shape[1]) - 1)

@@ -73,7 +73,8 @@ class TraceSink:
                 sc.ATTR_ACCEPTED_TOKENS: sum(stats.accepted),
                 sc.ATTR_MEAN_ACCEPTANCE: mean_acceptance_length(lengths) or 0.0,
             }
-            | ({} if stats.info.topk is None else {sc.ATTR_TOPK: stats.info.topk}),
+            | ({} if stats.info.topk is None else {sc.ATTR_TOPK: stats.info.topk})
+            | ({} if stats.gain is None else {sc.ATTR_PREDICTED_GAIN: stats.gain}),
         )
         if links:  # and each request links to the steps that served it (the SDK keeps up to 128 links a span)
             for span in spans:

@@ -8,7 +8,8 @@ heat, what ran just before) hits every row alike instead of the rows run last.
 
 Every row decodes with one `Sampling`: greedy at temperature 0, else sampled, prompt i of the set seeded
 seed + i whatever batch it runs in. With a budget schedule, a row `auto` runs ddtree with its tree chosen each
-step from the schedule by the rows the step runs.
+step from the schedule by the rows the step runs; with `adaptive`, a row `adaptive` runs ddtree with each step's
+width chosen by its own tree (`ddtree.adaptive`), up to that budget.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ddtree.settings import GenerationConfig
 
 HF_BASELINE = "hf"  # `--baseline hf`: HF transformers `generate`, greedy, static cache
 AUTO = "auto"  # the row of ddtree following a budget schedule
+ADAPTIVE = "adaptive"  # the row of ddtree choosing each step's width (`ddtree.adaptive`), up to its budget
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ GREEDY = Sampling()
 
 @dataclass(frozen=True)
 class BenchRow:
-    method: str  # a method of `ddtree.methods`, HF_BASELINE, or AUTO (ddtree on a schedule, budget None)
+    method: str  # a method of `ddtree.methods`, HF_BASELINE, AUTO (ddtree on a schedule, budget None) or ADAPTIVE
     budget: int | None
     tau: float | None  # None for the HF baseline, which does not draft
     steps: int
@@ -82,7 +84,9 @@ class BenchRow:
 
 
 def row_label(method: str, budget: int | None) -> str:
-    """How the table names a row: `hf generate`, `auto`, or the method's label (`ddtree B=32`)."""
+    """How the table names a row: `hf generate`, `auto`, `adaptive<=64`, or the method's label (`ddtree B=32`)."""
+    if method == ADAPTIVE:
+        return f"{ADAPTIVE}<={budget}"
     return "hf generate" if method == HF_BASELINE else method_label(method, budget)
 
 
@@ -182,6 +186,7 @@ def run_bench(
     progress: Progress | None = None,
     sampling: Sampling = GREEDY,
     schedule: BudgetSchedule | None = None,
+    adaptive: int | None = None,
 ) -> list[BenchRow]:
     """One row per method (per budget for methods tuned by it), and HF generate's first with `baseline`, all
     on the same prompts and engine. The rows are interleaved per batch (`bench_schedule`), `rounds` times
@@ -193,7 +198,7 @@ def run_bench(
     until its slowest request ends; HF generate, which has no such mode, keeps static batches. `progress`:
     as `run_rows` takes it. `sampling`: how our rows decode; HF generate decodes greedily only (ValueError
     with `baseline` at a temperature above 0). `schedule`: an `AUTO` row too, after the ddtree rows (or
-    last), whatever `methods` are."""
+    last), whatever `methods` are; `adaptive`: an `ADAPTIVE` row of at most that budget, likewise."""
     if baseline and not sampling.greedy:
         raise ValueError(f"HF generate's row decodes greedily only; temperature must be 0, got {sampling.temperature}")
     slots = batch_size if continuous else None
@@ -201,6 +206,10 @@ def run_bench(
     if schedule is not None:
         after = max((i + 1 for i, r in enumerate(runners) if r.method == "ddtree"), default=len(runners))
         runners.insert(after, schedule_runner(engine, schedule, max_new_tokens, eos, slots, sampling))
+    if adaptive is not None:
+        after = max((i + 1 for i, r in enumerate(runners) if r.method in ("ddtree", AUTO)), default=len(runners))
+        config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos, budget=adaptive, adaptive=True)
+        runners.insert(after, session_runner(engine, ADAPTIVE, adaptive, config, slots, sampling))
     if baseline:  # warmed up last, so that HF compiles its forward after our graphs are captured
         runners.append(hf_runner(engine.target, max_new_tokens, eos, batch_size))
     size = len(encoded) if continuous else batch_size

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree.cli.common import (
+    DEFAULT_MAX_BUDGET,
     POSITIVE,
     SEED,
     add_command,
@@ -65,6 +66,18 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="also a row `auto`: ddtree with each step's tree taken from this budget schedule (as `ddtree advise"
         " --schedule` writes it) by the rows the step runs; it runs even where --methods leaves out ddtree",
+    )
+    bench.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also a row `adaptive`: ddtree with each step's width chosen by the step's own tree (as `--budget"
+        " adaptive` decodes), up to --max-budget; it runs even where --methods leaves out ddtree",
+    )
+    bench.add_argument(
+        "--max-budget",
+        type=POSITIVE,
+        default=DEFAULT_MAX_BUDGET,
+        help="the widest tree the adaptive row's steps may verify",
     )
     bench.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="new tokens per prompt, at most")
     bench.add_argument(
@@ -141,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(
             f"--batch-sizes {max(args.batch_sizes)} needs at least as many prompts; there are {len(prompts)}"
         )
-    drafting = methods != ["ar"] or schedule is not None
+    drafting = methods != ["ar"] or schedule is not None or args.adaptive
     model, drafter_dir = resolve_paths(args.model, args.drafter, "ddtree" if drafting else "ar")
     target, drafter, tokenizer = options.load_models(model, drafter_dir)
     if tokenizer is None:
@@ -225,6 +238,7 @@ def _bench_at(
             progress=bar,
             sampling=sampling,
             schedule=schedule,
+            adaptive=args.max_budget if args.adaptive else None,
         )
     print(format_rows(rows))
     return rows

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from ddtree.runtime import EngineOptions
 
 SEED_MAX = 2**32 - 1
-FLAGS = {"schedule": "--budget-schedule"}  # a setting's flag, where it is not --<setting with dashes>
+# a setting's flag, where it is not --<setting with dashes>
+FLAGS = {"schedule": "--budget-schedule", "adaptive": "--budget adaptive"}
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -155,6 +156,34 @@ def _bounds(low: float, high: float | None, above: bool = False) -> str:
 
 SEED = int_flag(0, SEED_MAX)
 POSITIVE = int_flag(1)
+ADAPTIVE = "adaptive"  # `--budget adaptive`: each step verifies the width its own tree predicts pays most
+DEFAULT_MAX_BUDGET = 64  # the widest tree an adaptive step may verify, unless --max-budget says
+
+
+def budget_flag(*words: str) -> Callable[[str], int | str]:
+    """A `--budget` value: a number >= 1, or one of `words` (`adaptive`, `auto`)."""
+
+    def parse(text: str) -> int | str:
+        return text if text in words else POSITIVE(text)
+
+    return parse
+
+
+def budget_args(parser: argparse.ArgumentParser, *words: str, help: str) -> None:
+    """`--budget` (a number, or one of `words`, `adaptive` always among them) and `--max-budget`."""
+    parser.add_argument("--budget", type=budget_flag(ADAPTIVE, *words), default=32, help=help)
+    parser.add_argument(
+        "--max-budget",
+        type=POSITIVE,
+        default=DEFAULT_MAX_BUDGET,
+        help="with --budget adaptive: the widest tree a step may verify (each step chooses among 0, the powers of"
+        " two below it, and it)",
+    )
+
+
+def tree_budget(args: argparse.Namespace) -> tuple[int, bool]:
+    """The budget a run's trees are sized by, and whether each step chooses its width (`--budget adaptive`)."""
+    return (args.max_budget, True) if args.budget == ADAPTIVE else (args.budget, False)
 
 
 def ints(text: str) -> list[int]:

@@ -32,6 +32,7 @@ from ddtree.cli.common import (
     SEED,
     HelpFormatter,
     add_command,
+    budget_args,
     device_args,
     engine_options,
     examples_epilog,
@@ -40,6 +41,7 @@ from ddtree.cli.common import (
     int_flag,
     ints,
     model_args,
+    tree_budget,
 )
 from ddtree.errors import CapacityError, SettingsError, UserError
 from ddtree.methods import METHOD_NAMES
@@ -139,7 +141,11 @@ def _generate_parser(sub: Any) -> None:
     gen = add_command(sub, "generate", "generate text with ar, dflash or ddtree decoding", examples)
     model_args(gen)
     gen.add_argument("--method", choices=METHOD_NAMES, default="ddtree", help="decoding method (ar: no drafter)")
-    gen.add_argument("--budget", type=POSITIVE, default=32, help="draft tree nodes per step (ddtree)")
+    budget_args(
+        gen,
+        help="draft tree nodes per step (ddtree), or 'adaptive': per step, the width the step's own tree"
+        " predicts pays most, up to --max-budget",
+    )
     gen.add_argument(
         "--topk", type=POSITIVE, default=None, help="candidates per depth (default: min(budget, vocabulary))"
     )
@@ -196,9 +202,11 @@ def _generate(args: argparse.Namespace) -> int:
     from ddtree.runtime import GenerateRequest, run_generate
     from ddtree.settings import GenerationConfig
 
+    budget, adaptive = tree_budget(args)
     generation = GenerationConfig(
         method=args.method,
-        budget=args.budget,
+        budget=budget,
+        adaptive=adaptive,
         topk=args.topk,
         temperature=args.temperature,
         seed=args.seed,

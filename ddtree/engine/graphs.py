@@ -93,20 +93,25 @@ class StepRunner(Generic[S]):
         per shape) and, with graphs, captures."""
         return key not in self.shapes
 
-    def run(self, key: tuple[Any, ...], make: Callable[[], S]) -> S:
+    def run(self, key: tuple[Any, ...], make: Callable[[], S], make_captured: Callable[[], S] | None = None) -> S:
         """One step of shape `key`; `make` makes a fresh state of that shape (for the eager step and, once,
-        for the graphs to own)."""
+        for the graphs to own; `make_captured`, where given, makes the graphs' one instead)."""
         self.shapes.add(key)
         entry = self.captured.get(key) if self.cuda_graphs else None
         if entry is None:
             state = self._eager(make())
             if self.cuda_graphs:
-                self.captured[key] = self._capture(make())
+                self.captured[key] = self._capture((make_captured or make)())
             return state
         if not entry.per_stage:
             entry.graphs[0].replay()
             return entry.state
         return self._observed(entry.state, [_replay(graph) for graph in entry.graphs])
+
+    def captured_state(self, key: tuple[Any, ...]) -> S | None:
+        """The state the graphs of `key` replay on, once captured."""
+        entry = self.captured.get(key)
+        return None if entry is None else entry.state
 
     def _eager(self, state: S) -> S:
         runs = [stage for _, stage in self.stages]

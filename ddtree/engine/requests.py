@@ -49,6 +49,7 @@ class RequestOutput:
     top_logprobs: list[Alternatives] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
     budgets: list[int] = field(default_factory=list)  # per step: the tree's draft nodes (0: an ar step)
+    gains: list[float] = field(default_factory=list)  # per adaptive step: its width's predicted gain over ar
     finished: bool = False
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
 

@@ -34,6 +34,7 @@ import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step
+from ddtree.engine.adaptive import AdaptiveSteps, timed_steps
 from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
 from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
 from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
@@ -77,6 +78,7 @@ class _Launch:
     state: StepState
     ticket: Any  # from `Readback.start`
     shape: TreeShape  # the tree it verified
+    gain: float | None = None  # an adaptive step: the gain its width predicted over ar
 
 
 # The kinds of step a batch can make (their graphs differ: `StepState`'s flags): greedy, sampled, sampled
@@ -88,8 +90,9 @@ WARM_UP_KINDS: tuple[dict[str, Any], ...] = tuple(
 
 class DecodeSession:
     """`slots` requests decoded together, in caches of `capacity` tokens, with one tree shape (method, budget,
-    top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its row count, and the
-    caches and buffers are sized for the widest (`self.shape`). A tree step in a session whose schedule also
+    top-k) or a `ShapeSchedule`: then each step verifies the shape scheduled for its row count, or with an
+    adaptive schedule the width its own tree predicts pays most (`ddtree.engine.adaptive`), and the caches
+    and buffers are sized for the widest (`self.shape`). A tree step in a session whose schedule also
     holds `ar` drafts from the whole context: its `ar` steps still feed the drafter the accepted tokens'
     features (`ddtree.engine.proposers.ContextOnly`)."""
 
@@ -159,9 +162,15 @@ class DecodeSession:
         # Fixed for the session's life (graphs are captured with it, `warm_up` included): with an observer every
         # step reads back a probe, stamped by the device when its graph is one that can stamp.
         self.probed = observer is not NOOP
-        stamped = self.probed and cuda_graphs and stamps_available(device)
+        # An adaptive step is two graphs around a readback: its stages are timed between them, not stamped.
+        stamped = self.probed and cuda_graphs and stamps_available(device) and not self.schedule.adaptive
         self.runners = {s: self._runner(self.proposers[s], stamped) for s in self.schedule.shapes}
         self.runner = self.runners[shape]
+        self.adaptive = (
+            AdaptiveSteps(self._models(self.proposer), shape, observer, cuda_graphs, self._show_tree)
+            if self.schedule.adaptive
+            else None
+        )
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
@@ -169,8 +178,11 @@ class DecodeSession:
         if self.probed:
             observer.on_session(stamped)
 
+    def _models(self, proposer: Proposer) -> StepModels:
+        return StepModels(self.target, proposer, self.fused, self.attention, self.probed)
+
     def _runner(self, proposer: Proposer, stamped: bool) -> StepRunner[StepState]:
-        m = StepModels(self.target, proposer, self.fused, self.attention, self.probed)
+        m = self._models(proposer)
         return StepRunner(
             [
                 (stages.STAGE_DRAFT, partial(step.draft, m)),
@@ -234,6 +246,8 @@ class DecodeSession:
         reads nothing back here: each request's first token (the prefill's) reaches its output with the tokens
         of the first step launched after the join, or at `leave`, so a join never drains the steps in flight.
         Without pipelining nothing is in flight, and the first tokens are read at once."""
+        if self.adaptive is not None and not self.adaptive.measured:
+            self.measure_costs()
         free = self.free_slots()
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests but only {len(free)} free slots")
@@ -261,18 +275,62 @@ class DecodeSession:
         sees none of it. Call it on an empty session."""
         if self.free_slots() != list(range(self.num_slots)):
             raise ValueError("warm_up needs an empty session")
-        observer = self.observer
+        observer, adaptive = self.observer, self.adaptive
+        widths: tuple[int | None, ...] = (None,) if adaptive is None else adaptive.widths
+        if adaptive is not None:
+            adaptive.measured = True  # measured below, once every width's graphs are made
         self._set_observer(NOOP)
         try:
             for kind in WARM_UP_KINDS:
                 for n in row_counts(self.num_slots):
-                    self._run_dummies(n, prompt_tokens, new_tokens, kind)
+                    for width in widths:
+                        if adaptive is not None:
+                            adaptive.forced = width
+                        self._run_dummies(n, prompt_tokens, new_tokens, kind)
         finally:
+            if adaptive is not None:
+                adaptive.forced = None
             self._set_observer(observer)
+        if adaptive is not None:
+            self.measure_costs()
+
+    def measure_costs(self, repeats: int = 3, prompt_tokens: int = 16) -> None:
+        """An adaptive session's cost model: the time of a greedy step of each width it chooses between, at
+        each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
+        replays). `join` runs it before the session's first request where it has not run. The observer sees
+        none of it. Call it on an empty session."""
+        if self.adaptive is None:
+            raise ValueError("only an adaptive session chooses widths by their cost")
+        if self.free_slots() != list(range(self.num_slots)):
+            raise ValueError("measure_costs needs an empty session")
+        adaptive, observer = self.adaptive, self.observer
+        adaptive.measured = True  # its own joins do not measure again
+        self._set_observer(NOOP)
+        try:
+            for n in row_counts(self.num_slots):
+                for width in adaptive.widths:
+                    adaptive.forced = width
+                    adaptive.set_cost(n, width, self._time_steps(n, repeats, prompt_tokens))
+        finally:
+            adaptive.forced = None
+            self._set_observer(observer)
+
+    def _time_steps(self, n: int, repeats: int, prompt_tokens: int) -> float:
+        """Seconds per step of `n` greedy dummy requests, after one untimed step."""
+        room = self.capacity - self.tokens_needed(prompt_tokens, 0)
+        new_tokens = max(1, min(room, (repeats + 1 + self.pipeline_depth) * self.proposer.block))
+        slots = self.join([Request([0] * prompt_tokens, new_tokens) for _ in range(n)])
+        self.step()
+        seconds = timed_steps(self.step, repeats, self.target.device)
+        self.drain()
+        for slot in slots:
+            self.leave(slot)
+        return seconds
 
     def _set_observer(self, observer: StepObserver) -> None:
         self.observer = observer
-        for runner in self.runners.values():
+        adaptive = () if self.adaptive is None else self.adaptive.runners
+        for runner in (*self.runners.values(), *adaptive):
             runner.observer = observer
 
     def _run_dummies(self, n: int, prompt_tokens: int, new_tokens: int, kind: dict[str, Any]) -> None:
@@ -361,13 +419,21 @@ class DecodeSession:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
         shape = self._scheduled(rows.n)
-        runner = self.runners[shape]
         key = (rows.n, span, sampled, filtered, scored)
-        warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
-        self.observer.on_step_start(self.steps, rows.n, warmup, shape)
-        state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
+        if self.adaptive is not None:
+            warmup = self.compiles_per_shape and self.adaptive.is_new(key)
+            self.observer.on_step_start(self.steps, rows.n, warmup, shape)
+            made = partial(StepState, rows, span, sampled, filtered, scored)
+            state, shape, gain = self.adaptive.run(key, made)
+            self.observer.on_width(self.steps, shape, gain)
+        else:
+            gain = None
+            runner = self.runners[shape]
+            warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
+            self.observer.on_step_start(self.steps, rows.n, warmup, shape)
+            state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
         ticket = self._readback.start(state.out)
-        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape))
+        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, gain))
         self.steps += 1
 
     def _scheduled(self, rows: int) -> TreeShape:
@@ -443,6 +509,8 @@ class DecodeSession:
                 continue
             entry.output.acceptance_lengths.append(n + 1)
             entry.output.budgets.append(budget)
+            if launch.gain is not None:
+                entry.output.gains.append(launch.gain)
             before = len(entry.output.token_ids)
             top = entry.request.logprobs
             asked = () if top is None or scores is None else read_row(scores[0][i], scores[1], n + 1, top)

@@ -13,6 +13,12 @@ session's per-slot tensors (`Rows` views them), which the stages update in place
     readout     result (and the tree, the accepted path's ranks and stamps when observed; the path's scores)
                 -> out [n, columns], the one host readback
 
+An adaptive step (`--budget adaptive`) runs in two parts. The first drafts and builds the widest tree, then
+`decide`s on the device which width pays most (`ddtree.adaptive`) -> decision [2], which the host reads.
+The second verifies and accepts the tree's first `width` nodes: its state's `source` is the first part's
+state, and `narrow` takes the tree from it inside the step (so a replay reads what the first part's replay
+wrote).
+
 The flags a step is made with (`sampled`, `filtered`, `logprobs`) are known at launch from the requests
 decoding, and are part of the step's graph key: a step in which no request samples, filters or asks for
 log-probabilities does none of that work.
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.accept import AcceptResult, accept
+from ddtree.adaptive import calibrate, choose_width, expected_accepted
 from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, path_columns
 from ddtree.engine.probe import ProbeLayout, readout
 from ddtree.engine.proposers import Proposer
@@ -74,6 +81,9 @@ class StepState:
     filtered: bool = False  # some row that samples filters (top-p < 1 or top-k > 0)
     logprobs: bool = False  # some row asks for log-probabilities
     stamps: torch.Tensor | None = None  # [stages + 1] int64: the device clock, written by a stamped graph
+    choice_of: Choosing | None = None  # an adaptive step's first part: what `decide` reads
+    source: StepState | None = None  # an adaptive step's second part: the first part's state
+    width: int | None = None  # an adaptive step's second part: the draft nodes it verifies
     logits: torch.Tensor | None = field(init=False)  # [n, depth, vocab] draft logits; None without a drafter
     tree: DraftTree = field(init=False)
     ancestors: torch.Tensor = field(init=False)  # [n, nodes, nodes] bool
@@ -84,6 +94,17 @@ class StepState:
     out: torch.Tensor = field(init=False)  # [n, columns] int64, what the host reads back
     layout: ProbeLayout | None = field(init=False)  # where the probe sits in `out`; None: no probe
     scored: LogprobLayout | None = field(init=False)  # the log-probabilities, `out`'s last columns; None: none
+    decision: torch.Tensor = field(init=False)  # [2] float32: an adaptive step's width index and predicted gain
+
+
+@dataclass(frozen=True)
+class Choosing:
+    """What an adaptive step's `decide` weighs, static tensors the session updates in place: the widths, the
+    step time at each for this row count, and each width's calibration map (None: the raw prediction)."""
+
+    widths: torch.Tensor  # [K] int64, 0 (ar) first
+    cost: torch.Tensor  # [K] float32, seconds per step at this row count
+    knots: tuple[torch.Tensor, torch.Tensor] | None = None  # x and y [K, M]
 
 
 def draft(m: StepModels, s: StepState) -> None:
@@ -94,6 +115,29 @@ def draft(m: StepModels, s: StepState) -> None:
 def build(m: StepModels, s: StepState) -> None:
     s.tree = m.proposer.build(s.logits, s.rows.n)
     s.ancestors = m.proposer.ancestors(s.tree)  # [n, nodes, nodes]
+
+
+def decide(m: StepModels, s: StepState) -> None:
+    """The width (an index into `choice_of.widths`) with the most predicted tokens per second, on the device."""
+    c = s.choice_of
+    assert c is not None, "an adaptive step's first part is made with what it chooses between"
+    expected = expected_accepted(s.tree.log_probs, c.widths)  # [n, K]
+    if c.knots is not None:
+        expected = calibrate(expected, *c.knots)
+    s.decision = choose_width(expected, s.rows.active, c.cost)  # [2]
+
+
+def narrow(m: StepModels, s: StepState) -> None:
+    """An adaptive step's second part: its tree is the first part's first `width` nodes."""
+    assert s.source is not None and s.width is not None, "a second part is made on its first part"
+    end = 1 + s.width
+    s.tree = s.source.tree.first(s.width)
+    s.ancestors = s.source.ancestors[:, :end, :end].contiguous()  # [n, end, end]
+
+
+def narrow_verify(m: StepModels, s: StepState) -> None:
+    narrow(m, s)
+    verify(m, s)
 
 
 def verify(m: StepModels, s: StepState) -> None:

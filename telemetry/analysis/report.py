@@ -134,7 +134,7 @@ def _measured_taus(ax: Axes, d: Digest) -> None:
 def _stages(ax: Axes, d: Digest) -> None:
     groups = d.sorted_configs()
     bottom = [0.0] * len(groups)
-    for stage in sc.STAGES:
+    for stage in [s for s in sc.ALL_STAGES if s in sc.STAGES or any(s in g.stage_ms for g in groups)]:
         ms = [g.stage_mean_ms(stage) for g in groups]
         ax.bar([g.label for g in groups], ms, bottom=bottom, label=stage)
         bottom = [b + m for b, m in zip(bottom, ms, strict=True)]

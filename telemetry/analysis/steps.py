@@ -319,12 +319,13 @@ def advice(groups: list[ConfigStats]) -> str:
 
 
 def format_table(groups: list[ConfigStats]) -> str:
+    shown = [s for s in sc.ALL_STAGES if s in sc.STAGES or any(s in g.stage_ms for g in groups)]  # decide: adaptive
     head = f"{'config':<18}{'steps':>7}{'warm':>6}{'tau':>7}{'tok/step':>10}{'step ms':>9}" + "".join(
-        f"{s:>12}" for s in sc.STAGES
+        f"{s:>12}" for s in shown
     )
     lines = [head + f"{'tok/s':>9}"]
     for g in groups:
-        stages = "".join(f"{g.stage_mean_ms(s):>12.3f}" for s in sc.STAGES)
+        stages = "".join(f"{g.stage_mean_ms(s):>12.3f}" for s in shown)
         per_step = g.emitted / g.steps if g.steps else 0.0
         lines.append(
             f"{g.label:<18}{g.steps:>7}{g.warmup_steps:>6}{g.tau:>7.2f}{per_step:>10.2f}{g.step_ms:>9.2f}{stages}"

@@ -45,7 +45,7 @@ class TraceEventWriter:
         name = f"{sc.SPAN_STEP} (warm-up)" if warmup else sc.SPAN_STEP
         self._write(_complete(name, start_us, total_us, tid, args, category))
         at = start_us
-        for stage in sc.STAGES:
+        for stage in sc.ALL_STAGES:
             if stage in stages:
                 self._write(_complete(sc.stage_span_name(stage), at, stages[stage] * 1000, tid, {}, category))
                 at += stages[stage] * 1000

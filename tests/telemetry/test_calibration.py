@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from telemetry.calibration import apply_map, curve_widths, expected_accepted, isotonic
+from ddtree.methods import curve_widths
+from telemetry.calibration import apply_map, expected_accepted, isotonic
 
 
 def test_curve_widths_are_the_powers_of_two_below_the_budget_and_the_budget() -> None:
