@@ -10,7 +10,18 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from ddtree.cli.common import POSITIVE, add_command, device_args, engine_options, float_flag, int_flag, model_args
+from ddtree.cli.common import (
+    ADAPTIVE,
+    POSITIVE,
+    add_command,
+    budget_args,
+    device_args,
+    engine_options,
+    float_flag,
+    int_flag,
+    model_args,
+    tree_budget,
+)
 from ddtree.methods import METHOD_NAMES
 
 if TYPE_CHECKING:
@@ -23,6 +34,7 @@ EXAMPLES = (
     "ddtree serve  # the default pair on 127.0.0.1:8000",
     "ddtree serve --model TARGET --drafter DRAFTER --budget 16 --host 0.0.0.0 --max-batch-size 16",
     "ddtree tune && ddtree serve --budget auto  # the budget follows the load, as tuned on this device",
+    "ddtree serve --budget adaptive --max-budget 64  # each step verifies the width its own tree says pays most",
     "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\",
     """    -d '{"prompt": "Hello", "max_tokens": 32}'""",
 )
@@ -41,12 +53,12 @@ def add_parser(sub: Any) -> None:
         help="the model's name in /v1/models, responses and metrics (default: the model directory's name)",
     )
     serve.add_argument("--method", choices=METHOD_NAMES, default="ddtree", help="decoding method of every request")
-    serve.add_argument(
-        "--budget",
-        type=_budget,
-        default=32,
-        help="draft tree nodes per step (ddtree), or 'auto': per step, what `ddtree tune` chose for the number of "
-        "requests decoding (falls back to 32, saying so, where this pair and device have no schedule)",
+    budget_args(
+        serve,
+        AUTO,
+        help="draft tree nodes per step (ddtree); 'auto': per step, what `ddtree tune` chose for the number of "
+        "requests decoding (falls back to 32, saying so, where this pair and device have no schedule); 'adaptive':"
+        " per step, the width the step's own tree predicts pays most, up to --max-budget",
     )
     serve.add_argument(
         "--budget-schedule", metavar="FILE", help="follow this schedule (from `ddtree tune --out`); implies auto"
@@ -89,10 +101,6 @@ def add_parser(sub: Any) -> None:
     serve.set_defaults(func=_serve)
 
 
-def _budget(text: str) -> int | str:
-    return AUTO if text == AUTO else POSITIVE(text)
-
-
 def _connection_args(serve: argparse.ArgumentParser) -> None:
     """What a client may hold: the server's timeouts and limits against slow or hostile connections."""
     seconds = float_flag(0, above=True)
@@ -113,8 +121,9 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         drafter=args.drafter,
         method=args.method,
-        budget=FIXED_BUDGET if args.budget == AUTO else args.budget,
+        budget=FIXED_BUDGET if args.budget == AUTO else tree_budget(args)[0],
         topk=args.topk,
+        adaptive=args.budget == ADAPTIVE,
         auto_budget=args.budget == AUTO or args.budget_schedule is not None,
         budget_schedule=args.budget_schedule,
         served_model_name=args.served_model_name,
@@ -156,5 +165,11 @@ def _check_serve_capacity(settings: ServerSettings) -> None:
     limit = getattr(read_target_config(model), "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     tokens = min(settings.max_model_len or DEFAULT_MAX_MODEL_LEN, int(limit))  # over the limit: load_model says so
     schedule = load_schedule(settings.budget_schedule) if settings.budget_schedule else None
-    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk, schedule=schedule)
+    generation = GenerationConfig(
+        method=settings.method,
+        budget=settings.budget,
+        topk=settings.topk,
+        schedule=schedule,
+        adaptive=settings.adaptive,
+    )
     check_capacity(model, drafter, generation, settings.max_batch_size, tokens, settings.options)

@@ -294,6 +294,7 @@ class DecodeSession:
         if adaptive is not None:
             self.measure_costs()
 
+    @torch.inference_mode()
     def measure_costs(self, repeats: int = 3, prompt_tokens: int = 16) -> None:
         """An adaptive session's cost model: the time of a greedy step of each width it chooses between, at
         each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'

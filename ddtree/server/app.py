@@ -349,8 +349,11 @@ async def _events(state: ServerState, generation: Generation, reply: Reply) -> A
 def _blocks(state: ServerState, generation: Generation) -> tuple[dict[str, int], dict[str, Any]]:
     model = state.model.card
     usage = usage_block(generation.prompt_tokens, generation.completion_tokens)
-    budgets = generation.step_budgets if model.schedule is not None else None
-    ddtree = ddtree_block(model.method, model.tree_budget, model.tree_topk, generation.acceptance_lengths, budgets)
+    switching = model.schedule is not None or model.adaptive
+    budgets = generation.step_budgets if switching else None
+    gains = generation.step_gains if model.adaptive else None
+    lengths = generation.acceptance_lengths
+    ddtree = ddtree_block(model.method, model.tree_budget, model.tree_topk, lengths, budgets, gains)
     return usage, ddtree
 
 

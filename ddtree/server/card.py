@@ -19,6 +19,7 @@ class ModelCard:
     tree_budget: int  # the budget and top-k the engine verifies (with a schedule, the widest)
     tree_topk: int | None
     schedule: tuple[tuple[int, str], ...] | None = None  # `--budget auto`: (rows, choice's label) per choice
+    adaptive: bool = False  # `--budget adaptive`: each step chooses its width, up to `tree_budget`
     device: str = "cpu"
     dtype: str = "float32"
     graphs: bool = False
@@ -31,7 +32,9 @@ class ModelCard:
         if self.schedule is not None:
             method += ", budget auto (" + ", ".join(f"{rows} rows: {label}" for rows, label in self.schedule) + ")"
         elif self.tree_budget:
-            method += f", budget {self.tree_budget}" + (f", top-k {self.tree_topk}" if self.tree_topk else "")
+            topk = f", top-k {self.tree_topk}" if self.tree_topk else ""
+            budget = f"adaptive (up to {self.tree_budget}{topk})" if self.adaptive else f"{self.tree_budget}{topk}"
+            method += f", budget {budget}"
         graphs = "on" if self.graphs else "off"
         return f"{self.model_id}, {method}, {self.device}, {self.dtype}, graphs {graphs}"
 

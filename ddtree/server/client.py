@@ -135,7 +135,15 @@ class EngineClient:
         if out.finish_reason is not None or out.error is not None:
             self._forget(out.rid)
         job.deliver(
-            Update(out.token_ids, out.acceptance_lengths, out.budgets, out.scores, out.finish_reason, out.error)
+            Update(
+                out.token_ids,
+                out.acceptance_lengths,
+                out.budgets,
+                out.scores,
+                out.finish_reason,
+                out.error,
+                gains=out.gains,
+            )
         )
 
     def _forget(self, rid: int) -> Job | None:

@@ -205,6 +205,7 @@ def _out(entry: _Entry, update: Update) -> tp.Out:
         update.finish_reason,
         update.error,
         queued,
+        update.gains,
     )
 
 

@@ -51,6 +51,7 @@ class Generation:
         self.job = Job(request, self._post)
         self.acceptance_lengths: list[int] = []
         self.step_budgets: list[int] = []
+        self.step_gains: list[float] = []  # an adaptive server's: per step, the gain its width predicted
         self.scored: list[tuple[int, Scored]] = []  # per token kept, with logprobs asked for: (id, its scores)
         self.unsent = 0  # of `scored`, the last ones no chunk has carried yet
         self.formatter: LogprobFormatter | None = None  # set where the request asked for logprobs
@@ -150,6 +151,7 @@ class Generation:
             self.meter.first_token(self.prompt_tokens)
         self.acceptance_lengths += update.acceptance_lengths
         self.step_budgets += update.budgets
+        self.step_gains += update.gains
         text = self._text.feed(update.token_ids)
         kept = self._text.tokens - before  # a stop string drops the tokens after the one that completed it
         if update.scores:

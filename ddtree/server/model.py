@@ -38,6 +38,7 @@ class ServerSettings:
     topk: int | None = None
     auto_budget: bool = False  # follow the schedule `ddtree tune` wrote for this pair and device
     budget_schedule: str | None = None  # follow this schedule file (implies auto_budget)
+    adaptive: bool = False  # each step verifies the width its tree predicts pays most, up to `budget`
     served_model_name: str | None = None  # the name /v1/models lists and responses carry; None: the directory's
     max_batch_size: int = 8  # the session's slots: requests decoded together
     max_queue: int = 64  # requests waiting for a slot; one more gets 429
@@ -64,6 +65,8 @@ def check_settings(settings: ServerSettings) -> None:
     settings.options.check()
     if (settings.auto_budget or settings.budget_schedule) and settings.method != "ddtree":
         raise UserError(f"--budget auto chooses ddtree trees; it needs --method ddtree, not {settings.method}")
+    if settings.adaptive and (settings.auto_budget or settings.budget_schedule):
+        raise UserError("--budget adaptive chooses each step's width itself; it takes no --budget-schedule")
     if settings.budget_schedule is not None:
         load_schedule(settings.budget_schedule)  # it exists and parses
     _check_counts(
@@ -148,6 +151,7 @@ class ServedModel:
             tree_budget=self.tree_budget,
             tree_topk=self.tree_topk,
             schedule=tuple((c.batch_size, c.label) for c in choices) if choices is not None else None,
+            adaptive=self.generation.adaptive,
             device=str(target.device),
             dtype=str(target.dtype).removeprefix("torch."),
             graphs=bool(self.engine.cuda_graphs),
@@ -162,7 +166,9 @@ class ServedModel:
         self.engine.sessions.clear()  # never hand out a session that a failed step may have left half-updated
         session = self.engine.session(self.generation, slots, self.max_model_len)
         if session.cuda_graphs:  # compile and capture every row count now, not in the first requests' steps
-            session.warm_up()
+            session.warm_up()  # an adaptive session's step costs measured with it
+        elif session.adaptive is not None:
+            session.measure_costs()  # now, not in the first request's wait
         return session
 
 
@@ -190,6 +196,7 @@ def load_model(settings: ServerSettings) -> ServedModel:
         topk=settings.topk,
         eos_token_ids=eos_ids(tokenizer, target),
         schedule=schedule,
+        adaptive=settings.adaptive,
     )
     shape = engine.shape(generation)
     budget, topk = shape.budget, shape.topk  # an unset top-k stays None: null in the `ddtree` block, as in logs
@@ -238,7 +245,9 @@ def _server_telemetry(config: TelemetryConfig) -> TelemetryConfig:
 
 
 def _generate_request(settings: ServerSettings) -> GenerateRequest:
-    generation = GenerationConfig(method=settings.method, budget=settings.budget, topk=settings.topk)
+    generation = GenerationConfig(
+        method=settings.method, budget=settings.budget, topk=settings.topk, adaptive=settings.adaptive
+    )
     return GenerateRequest(model=settings.model, drafter=settings.drafter, generation=generation)
 
 

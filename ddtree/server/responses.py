@@ -7,7 +7,10 @@ an unset top-k is null, as in the step logs, and no attribute on spans). `steps`
 prefill's first token is not a step). `acceptance_histogram` is a list whose entry i counts the steps that
 accepted i + 1 tokens (accepted drafts + the bonus), up to the longest seen; `mean_acceptance_length` is
 null when there were no steps. Under `--budget auto` the budget follows the load: `budget` is `"auto"`,
-`topk` null, and `step_budgets` lists each step's draft nodes (0: an `ar` step).
+`topk` null, and `step_budgets` lists each step's draft nodes (0: an `ar` step). Under `--budget adaptive`
+each step chooses its width: `budget` is `"adaptive"`, `max_budget` the widest tree a step may verify,
+`step_budgets` each step's width and `step_gains` the tokens per second each step's width predicted over an
+`ar` step's.
 
 Streams: text chunks, then a chunk with the finish reason; with `stream_options.include_usage` one more
 chunk with empty `choices` and `usage` (as OpenAI). The `ddtree` block rides on the last chunk before
@@ -24,12 +27,19 @@ from ddtree.methods import mean_acceptance_length
 
 DONE = "data: [DONE]\n\n"
 AUTO = "auto"  # the budget of a server whose budget follows the load
+ADAPTIVE = "adaptive"  # the budget of a server whose steps choose their width
 
 
 def ddtree_block(
-    method: str, budget: int, topk: int | None, lengths: list[int], step_budgets: list[int] | None = None
+    method: str,
+    budget: int,
+    topk: int | None,
+    lengths: list[int],
+    step_budgets: list[int] | None = None,
+    step_gains: list[float] | None = None,
 ) -> dict[str, Any]:
-    """The block; `step_budgets` (each step's budget) where the budget follows the load."""
+    """The block; `step_budgets` (each step's budget) where the budget follows the load, and `step_gains` too
+    where each step chooses its width (`budget` is then the widest)."""
     histogram = [0] * max(lengths, default=0)
     for length in lengths:
         histogram[length - 1] += 1
@@ -41,6 +51,9 @@ def ddtree_block(
         "mean_acceptance_length": mean_acceptance_length(lengths),
         "acceptance_histogram": histogram,
     }
+    if step_gains is not None:
+        block.update(budget=ADAPTIVE, max_budget=budget, topk=topk)
+        block["step_gains"] = [round(g, 4) for g in step_gains]
     if step_budgets is not None:
         block["step_budgets"] = step_budgets
     return block

@@ -61,6 +61,7 @@ class Out(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     error: str | None = None
     queue_seconds: float | None = None  # with the request's first update: from submit to joining a slot
+    gains: list[float] = []  # per adaptive decode step: its predicted gain over ar
 
 
 class Status(msgspec.Struct, tag="status"):

@@ -62,6 +62,7 @@ class Update:
     finish_reason: str | None = None  # "stop" (an end-of-sequence token) or "length"
     error: str | None = None  # the request failed; nothing follows
     rejected: str | None = None  # the request never got a place (REJECTED_*), said by an engine in another process
+    gains: list[float] = field(default_factory=list)  # per adaptive decode step: its predicted gain over ar
 
 
 @dataclass(eq=False)
@@ -263,16 +264,16 @@ class DecodeWorker:
         for slot, run in list(self._running.items()):
             out = session.output(slot)
             tokens, lengths = out.token_ids[run.tokens :], out.acceptance_lengths[run.steps :]
-            budgets = out.budgets[run.steps :]
+            budgets, gains = out.budgets[run.steps :], out.gains[run.steps :]
             scores = list(zip(out.logprobs[run.tokens :], out.top_logprobs[run.tokens :], strict=True))
             run.tokens, run.steps = len(out.token_ids), len(out.acceptance_lengths)
             if out.finished:
                 session.leave(slot)
                 self._forget(slot)
                 reason = out.finish_reason or "length"
-                _send(run.job, Update(tokens, lengths, budgets, scores, finish_reason=reason))
+                _send(run.job, Update(tokens, lengths, budgets, scores, finish_reason=reason, gains=gains))
             elif tokens or lengths:
-                _send(run.job, Update(tokens, lengths, budgets, scores))
+                _send(run.job, Update(tokens, lengths, budgets, scores, gains=gains))
 
     def _forget(self, slot: int) -> None:
         with self._cond:

@@ -11,6 +11,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from ddtree.cli.main import main
+from ddtree.methods import curve_widths
 from telemetry import semconv as sc
 from telemetry.analysis.calibration import (
     MAP_BINS,
@@ -22,7 +23,7 @@ from telemetry.analysis.calibration import (
     plot_calibration,
 )
 from telemetry.analysis.digest import Digest
-from telemetry.calibration import apply_map, curve_widths
+from telemetry.calibration import apply_map
 
 
 def _line(method: str, budget: int, accepted: list[int], predicted: list[float] | None, warmup: bool = False) -> str:
