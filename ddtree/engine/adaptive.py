@@ -90,7 +90,9 @@ class AdaptiveSteps:
             cost = self.costs[rows] = torch.ones(len(self.widths), dtype=torch.float32, device=self.device)
         return cost
 
+    @torch.inference_mode()
     def set_cost(self, rows: int, width: int, seconds: float) -> None:
+        """A step of `width` at `rows` rows takes `seconds` (the session's own measure, or the caller's)."""
         self.cost(rows)[self.widths.index(width)] = seconds
 
     def is_new(self, key: Key) -> bool:

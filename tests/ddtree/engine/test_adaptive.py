@@ -1,0 +1,161 @@
+"""Adaptive sessions: whatever width each step verifies, greedy tokens are ar's and sampling stays seeded; the
+choice follows the measured costs; a replayed step verifies the tree its own first part drafted."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from ddtree.adaptive import adaptive_widths
+from ddtree.engine import graphs
+from ddtree.engine.engine import Engine
+from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
+from ddtree.engine.requests import Request
+from ddtree.engine.session import DecodeSession
+from ddtree.schedule import ShapeSchedule
+from ddtree.settings import GenerationConfig
+from tests.helpers import random_prompts, shape_of, tiny_pair
+
+
+def _session(target: Any, drafter: Any, budget: int, slots: int, depth: int = 1, **kw: Any) -> DecodeSession:
+    shape = ShapeSchedule.up_to(shape_of("ddtree", budget, None, drafter))
+    return DecodeSession(target, drafter, shape, slots=slots, capacity=200, pipeline_depth=depth, **kw)
+
+
+def _stream(session: DecodeSession, requests: list[Request], pick: Any) -> list[Any]:
+    """Requests join as slots free up, every other step; `pick(step)` forces each step's width (None: its
+    own choice). Returns the outputs in request order."""
+    waiting = list(enumerate(requests))
+    held: dict[int, int] = {}
+    done: dict[int, Any] = {}
+    steps = 0
+    while waiting or held:
+        if waiting and session.free_slots() and steps % 2 == 0:
+            index, request = waiting.pop(0)
+            held[session.join([request])[0]] = index
+        if session.has_active():
+            assert session.adaptive is not None
+            session.adaptive.forced = pick(steps)
+            session.step()
+        steps += 1
+        for slot in [s for s in held if session.output(s).finished]:
+            done[held.pop(slot)] = session.leave(slot)
+    session.drain()
+    return [done[i] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("depth", [1, 2])
+def test_random_widths_joins_and_leaves_keep_greedy_tokens_those_of_ar(seed: int, depth: int) -> None:
+    target, drafter = tiny_pair(seed, vocab=20, block_size=4 + seed % 3)
+    budget = [3, 8, 13][seed % 3]
+    prompts = random_prompts(seed, 5, vocab=20)
+    news = [9 + 5 * i for i in range(5)]
+    ar = Engine(target, drafter).generate(prompts, GenerationConfig(method="ar", max_new_tokens=max(news)))
+    rng = random.Random(seed)
+    session = _session(target, drafter, budget, slots=3, depth=depth)
+    outs = _stream(
+        session, [Request(p, n) for p, n in zip(prompts, news, strict=True)], lambda _: rng.randint(0, budget)
+    )
+    for out, alone, n in zip(outs, ar.outputs, news, strict=True):
+        assert out.token_ids == alone.token_ids[:n]
+    widths = {b for o in outs for b in o.budgets}
+    assert len(widths) > 3, "the steps should have verified many widths"
+    assert any(a > 1 for o in outs for a in o.acceptance_lengths), "drafts should be accepted"
+
+
+def test_seeded_sampling_is_the_same_at_any_width_sequence_it_is_given_again() -> None:
+    """At T > 0 a request's draws are seeded: the same widths give the same tokens, alone or batched."""
+    target, drafter = tiny_pair(3, vocab=16, block_size=5)
+    prompts = random_prompts(3, 4, vocab=16)
+    requests = [Request(p, 20, temperature=0.9, seed=7 + i) for i, p in enumerate(prompts)]
+    rng = random.Random(1)
+    widths = [rng.randint(0, 8) for _ in range(400)]
+    batched = _stream(_session(target, drafter, 8, slots=4), requests, lambda step: widths[step])
+    again = _stream(_session(target, drafter, 8, slots=4), requests, lambda step: widths[step])
+    assert [o.token_ids for o in batched] == [o.token_ids for o in again]
+
+
+def test_the_choice_follows_the_measured_costs() -> None:
+    target, drafter = tiny_pair(5, vocab=16, block_size=5)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(5, 2, vocab=16)
+    config = GenerationConfig(method="ddtree", budget=8, adaptive=True, max_new_tokens=12)
+    first = engine.generate(prompts, config)
+    session = next(s for s in engine.sessions.values() if s.adaptive is not None)
+    assert session.adaptive is not None and set(session.adaptive.costs) == {1, 2}
+    assert all(bool((c > 0).all()) and c.shape == (len(adaptive_widths(8)),) for c in session.adaptive.costs.values())
+    assert all(len(o.gains) == len(o.budgets) == len(o.acceptance_lengths) for o in first.outputs)
+    adaptive = session.adaptive
+    for rows in adaptive.costs:  # ar costs nothing: every step verifies the root alone
+        for width in adaptive.widths:
+            adaptive.set_cost(rows, width, 1e-9 if width == 0 else 1.0)
+    ar_only = engine.generate(prompts, config)
+    assert {b for o in ar_only.outputs for b in o.budgets} == {0}
+    assert all(a == 1 for o in ar_only.outputs for a in o.acceptance_lengths)
+    for rows in adaptive.costs:  # every width costs the same: the widest predicts the most
+        for width in adaptive.widths:
+            adaptive.set_cost(rows, width, 1.0)
+    widest = engine.generate(prompts, config)
+    assert {b for o in widest.outputs for b in o.budgets} == {8}
+    assert [o.token_ids for o in widest.outputs] == [o.token_ids for o in ar_only.outputs]
+
+
+def test_measuring_costs_needs_an_adaptive_empty_session() -> None:
+    target, drafter = tiny_pair(2, vocab=16, block_size=4)
+    fixed = DecodeSession(target, drafter, shape_of("ddtree", 4, None, drafter), slots=1, capacity=100)
+    with pytest.raises(ValueError, match="adaptive"):
+        fixed.measure_costs()
+    session = _session(target, drafter, 4, slots=2)
+    slot = session.join([Request([1, 2], 5)])[0]  # the first join measures
+    assert session.adaptive is not None and set(session.adaptive.costs) == {1, 2}
+    with pytest.raises(ValueError, match="empty"):
+        session.measure_costs()
+    session.leave(slot)
+
+
+class _Replay:
+    """A stand-in CUDA graph: replaying runs its stages' Python again on the state it was captured on (which,
+    like a graph's static buffers, is all it reads)."""
+
+    def __init__(self, group: list[Any], state: Any) -> None:
+        self.group, self.state = group, state
+
+    def replay(self) -> None:
+        for stage in self.group:
+            stage(self.state)
+
+
+def _fake_capture(self: StepRunner[Any], state: Any) -> _Captured[Any]:
+    """Capture without CUDA: each graph's stages, recorded on the state the graphs own, not run now."""
+    return _Captured([_Replay(group, state) for group in self._groups()], state, self.per_stage)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_replayed_step_verifies_the_tree_its_own_first_part_drafted(
+    monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """With graphs, the second part replays on the first part's captured state: its acceptance lengths are the
+    eager session's, step for step (a second part reading a stale tree would verify the wrong drafts)."""
+    monkeypatch.setattr(StepRunner, "_capture", _fake_capture)
+    monkeypatch.setattr(graphs, "require_cuda", lambda device: None)
+    monkeypatch.setattr("ddtree.engine.session.require_cuda", lambda device: None)
+    monkeypatch.setattr(DecodeSession, "few_shapes", property(lambda self: True))  # as on CUDA: steps share keys
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    prompts = random_prompts(0, 3, vocab=8)
+    rng = random.Random(2)
+    widths = [rng.choice([1, 2, 4, 8]) for _ in range(400)]  # a key's first step drafts (width 0 reads no tree)
+
+    def run(graphed: bool) -> list[Any]:
+        session = _session(target, drafter, 8, slots=2, depth=depth, cuda_graphs=graphed, fused=False)
+        session._prefills = GraphCache(False)  # the prefill's graphs are not what this test is about
+        assert session.adaptive is not None
+        session.adaptive.measured = True  # no dummy steps first: each key's first step is a real one, of any width
+        return _stream(session, [Request(p, 24) for p in prompts], lambda step: widths[step])
+
+    eager, replayed = run(False), run(True)
+    assert [o.acceptance_lengths for o in replayed] == [o.acceptance_lengths for o in eager]
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+    assert sum(a > 1 for o in eager for a in o.acceptance_lengths) > 5, "drafts should be accepted"

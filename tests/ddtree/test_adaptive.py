@@ -1,0 +1,75 @@
+"""The adaptive rule's tensor functions against plain numpy and brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.adaptive import adaptive_widths, calibrate, choose_width, expected_accepted
+from telemetry import calibration
+
+
+def test_the_widths_are_ar_the_powers_of_two_below_the_budget_and_the_budget() -> None:
+    assert adaptive_widths(16) == (0, 1, 2, 4, 8, 16)
+    assert adaptive_widths(12) == (0, 1, 2, 4, 8, 12)
+    assert adaptive_widths(1) == (0, 1)
+
+
+def _log_probs(rng: np.random.Generator, rows: int, budget: int) -> np.ndarray:
+    """Decreasing prefix log-probabilities per row, node 0 the root (0), a random tail of padding (-inf)."""
+    lp = np.sort(np.log(rng.uniform(0.01, 1.0, size=(rows, budget))), axis=1)[:, ::-1]
+    for row, nodes in enumerate(rng.integers(1, budget + 1, size=rows)):
+        lp[row, nodes:] = -np.inf
+    return np.concatenate([np.zeros((rows, 1)), lp], axis=1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expected_accepted_is_the_telemetry_prediction_and_zero_at_width_zero(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lp = _log_probs(rng, 5, 16)
+    widths = list(adaptive_widths(16))
+    got = expected_accepted(torch.tensor(lp, dtype=torch.float32), torch.tensor(widths)).numpy()
+    want = calibration.expected_accepted(lp, widths[1:])
+    assert np.allclose(got[:, 1:], want, atol=1e-5)
+    assert (got[:, 0] == 0).all()
+
+
+def test_calibrate_is_each_widths_own_map() -> None:
+    rng = np.random.default_rng(4)
+    maps = [calibration.isotonic(list(rng.uniform(0, 8, 40)), list(rng.uniform(0, 8, 40))) for _ in range(3)]
+    size = max(len(xs) for xs, _ in maps)
+
+    def pad(v: list[float]) -> list[float]:
+        return v + [v[-1]] * (size - len(v))
+
+    knots_x = torch.tensor([pad(xs) for xs, _ in maps], dtype=torch.float64)
+    knots_y = torch.tensor([pad(ys) for _, ys in maps], dtype=torch.float64)
+    x = rng.uniform(-1, 9, size=(6, 3))
+    got = calibrate(torch.tensor(x), knots_x, knots_y).numpy()
+    for k, knots in enumerate(maps):
+        assert np.allclose(got[:, k], calibration.apply_map(knots, x[:, k]), atol=1e-9), k
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_choice_is_the_width_with_most_predicted_tokens_per_second(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, k = int(rng.integers(1, 6)), int(rng.integers(2, 7))
+    expected = np.sort(rng.uniform(0, 5, size=(rows, k)), axis=1)
+    expected[:, 0] = 0
+    active = rng.uniform(size=rows) < 0.8
+    active[0] = True
+    cost = rng.uniform(0.5, 3.0, size=k)
+    decision = choose_width(torch.tensor(expected), torch.tensor(active), torch.tensor(cost)).tolist()
+    rate = [sum(1 + expected[i, w] for i in range(rows) if active[i]) / cost[w] for w in range(k)]
+    assert int(decision[0]) == int(np.argmax(rate))
+    assert decision[1] == pytest.approx(max(rate) / rate[0], rel=1e-5)
+
+
+def test_rows_that_no_longer_decode_weigh_nothing() -> None:
+    expected = torch.tensor([[0.0, 0.1, 0.2], [0.0, 50.0, 90.0]])  # the second row finished
+    cost = torch.tensor([1.0, 1.5, 2.0])
+    index, gain = choose_width(expected, torch.tensor([True, False]), cost).tolist()
+    assert (index, gain) == (0, 1.0)
+    index, _ = choose_width(expected, torch.tensor([True, True]), cost).tolist()
+    assert index == 2
