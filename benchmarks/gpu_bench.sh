@@ -21,6 +21,8 @@
 # prediction: telemetry logs of the held-out set at B=64 in 1, 16 and 64 slots (benchmarks/prediction_log.py),
 # and `ddtree advise` on each under COSTS, a cost file (default WORK/tune/tune-costs.json, what the tune step
 # keeps; or benchmarks/results/h100-smollm2-bf16-v3-tune-costs-run2.json): calibration and the adaptive replay.
+# adaptive: `bench --continuous` of ar, B=4..64, auto (on SCHEDULE) and adaptive<=64 in SLOTS slots (default
+# 1,4,16,64) on 64 held-out prompts, at TEMPERATURE (default 0); adaptive-check: its lossless checks, graphed.
 set -euo pipefail
 PY=${PYTHON:-python3}
 gguf=$1 work=$2 steps=${3:-convert,lossless,bench1,bench16,bench64,profile,tree,projection}
@@ -106,6 +108,14 @@ if has prediction; then  # the drafter's prediction on the GPU: calibration, and
     $PY benchmarks/prediction_log.py "$target" "$work/prediction_s$slots.jsonl" --dtype bfloat16 --slots "$slots"
     $PY -m ddtree.cli advise "$work/prediction_s$slots.jsonl" --cost-curve "${COSTS:-$work/tune/tune-costs.json}"
   done
+fi
+if has adaptive-check; then $PY tests/gpu/checks.py "$target" "" cuda adaptive; fi
+if has adaptive; then
+  t=${TEMPERATURE:-0}
+  $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree \
+    --budgets 4,8,16,32,64 --batch-sizes "${SLOTS:-1,4,16,64}" --continuous --num-prompts 64 --max-new-tokens 128 \
+    --budget-schedule "$sched" --adaptive --max-budget 64 --temperature "$t" \
+    --out "$work/adaptive-rows-t$t-s${SLOTS:-1,4,16,64}${BENCH_TAG:-}.json"
 fi
 if has profile; then $PY benchmarks/profile_step.py "$target" "$work"; fi
 if has hybrid-tests; then  # the hybrids' GDN and SSM kernels, compiled regions and lossless tests on the GPU

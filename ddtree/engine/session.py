@@ -295,7 +295,7 @@ class DecodeSession:
             self.measure_costs()
 
     @torch.inference_mode()
-    def measure_costs(self, repeats: int = 3, prompt_tokens: int = 16) -> None:
+    def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16) -> None:
         """An adaptive session's cost model: the time of a greedy step of each width it chooses between, at
         each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
         replays). `join` runs it before the session's first request where it has not run. The observer sees

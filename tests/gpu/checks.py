@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,12 +41,15 @@ def main(target_dir: str, drafter_dir: str, device: str = "cuda", checks: str = 
     count = 16 if device == "cuda" else 2
     on_gpu = tuple(os.environ.get("GPU_CHECK_DTYPES", "float32,bfloat16").split(","))
     dtypes = on_gpu if device == "cuda" else ("float32",)
-    for dtype in dtypes if "lossless" in checks else dtypes[-1:]:  # the last one serves the other checks
+    every_dtype = "lossless" in checks or "adaptive" in checks
+    for dtype in dtypes if every_dtype else dtypes[-1:]:  # the last one serves the other checks
         target, drafter, tokenizer = load_models(target_dir, drafter_dir, device, dtype)
         prompts = [chat_ids(tokenizer, p) for p in heldout_prompts()[:count]]
         eos = eos_ids(tokenizer, target)
+        if "adaptive" in checks:
+            _adaptive(Engine(target, drafter, cuda_graphs="off"), Engine(target, drafter), prompts, eos, dtype)
         if "lossless" not in checks:
-            break
+            continue
         eager = Engine(target, drafter, cuda_graphs="off")
         engine = Engine(target, drafter)  # CUDA graphs on a GPU, the Triton tree build and attention where they run
         torch_tree = Engine(target, drafter, tree_kernel="torch")
@@ -133,6 +137,25 @@ def _switching(
     same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
     budgets = sorted({b for o in out for b in o.budgets})
     print(f"lossless {dtype} graphed auto (steps at budgets {budgets}): {same}/{len(prompts)} identical to eager ar")
+
+
+def _adaptive(eager: Engine, engine: Engine, prompts: list[list[int]], eos: tuple[int, ...], dtype: str) -> None:
+    """Each step's width chosen by its own tree (`--budget adaptive`), graphed in a batch and streamed through 8
+    slots, and eager: greedy output is ar's; and seeded sampling, graphed, repeats itself."""
+    ar = eager.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
+    cfg = GenerationConfig(method="ddtree", budget=64, adaptive=True, max_new_tokens=64, eos_token_ids=eos)
+    for name, out in (
+        ("eager", eager.generate(prompts, cfg).outputs),
+        ("graphed", engine.generate(prompts, cfg).outputs),
+        ("graphed 8 slots", engine.stream(prompts, cfg, slots=8).outputs),
+    ):
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
+        widths = sorted({b for o in out for b in o.budgets})
+        print(f"lossless {dtype} {name} adaptive<=64 (steps at widths {widths}): {same}/{len(prompts)} identical to ar")
+    hot = replace(cfg, temperature=0.8, seed=3)
+    first, again = engine.generate(prompts, hot).outputs, engine.generate(prompts, hot).outputs
+    same = sum(a.token_ids == b.token_ids and a.budgets == b.budgets for a, b in zip(first, again, strict=True))
+    print(f"sampled {dtype} graphed adaptive<=64 T=0.8: the same widths and tokens again on {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":
