@@ -21,6 +21,9 @@ import torch
 
 from ddtree.methods import curve_widths
 
+ADAPTIVE = "adaptive"  # the budget that lets each step choose its width (`--budget adaptive`, `budget="adaptive"`)
+DEFAULT_MAX_BUDGET = 64  # the widest tree an adaptive step may verify, unless told
+
 
 def adaptive_widths(budget: int) -> tuple[int, ...]:
     """The widths an adaptive session of at most `budget` draft nodes chooses between: 0 (`ar`), the powers of

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, overload
 
+from ddtree.adaptive import ADAPTIVE, DEFAULT_MAX_BUDGET
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import CUDA_GRAPHS
 from ddtree.engine.proposers import TREE_KERNELS
@@ -50,6 +51,7 @@ class Completion:
     finish_reason: str | None  # "stop" (an end-of-sequence token) or "length" (max_new_tokens)
     acceptance_lengths: list[int]  # per decode step: accepted drafts + 1
     seconds: float
+    step_budgets: list[int] = field(default_factory=list)  # per decode step: the tree's draft nodes (0: ar)
 
     @property
     def steps(self) -> int:
@@ -90,7 +92,8 @@ class Pair:
         prompt: str,
         *,
         method: str = ...,
-        budget: int = ...,
+        budget: int | str = ...,
+        max_budget: int = ...,
         topk: int | None = ...,
         temperature: float = ...,
         seed: int = ...,
@@ -104,7 +107,8 @@ class Pair:
         prompt: Sequence[str],
         *,
         method: str = ...,
-        budget: int = ...,
+        budget: int | str = ...,
+        max_budget: int = ...,
         topk: int | None = ...,
         temperature: float = ...,
         seed: int = ...,
@@ -117,7 +121,8 @@ class Pair:
         prompt: str | Sequence[str],
         *,
         method: str = "ddtree",
-        budget: int = 32,
+        budget: int | str = 32,
+        max_budget: int = DEFAULT_MAX_BUDGET,
         topk: int | None = None,
         temperature: float = 0.0,
         seed: int = 0,
@@ -125,13 +130,18 @@ class Pair:
         chat: bool = True,
     ) -> Completion | list[Completion]:
         """Complete one prompt (a Completion) or several, decoded together (a list, in order). `method` is "ar",
-        "dflash" or "ddtree"; `budget` and `topk` shape ddtree's tree (topk None: min(budget, vocabulary));
+        "dflash" or "ddtree"; `budget` and `topk` shape ddtree's tree (topk None: min(budget, vocabulary)), and
+        `budget="adaptive"` lets each step verify the width its own tree predicts pays most, up to `max_budget`;
         temperature 0 is greedy, and prompt i samples with `seed + i`. With `chat`, prompts go through the
         tokenizer's chat template where it has one."""
         if self._closed:
             raise RuntimeError("this pair is closed")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        config = self._config(method, budget, topk, temperature, seed, max_new_tokens, len(prompts))
+        adaptive = budget == ADAPTIVE
+        if isinstance(budget, str) and not adaptive:
+            raise ValueError(f"budget must be a number or {ADAPTIVE!r}, got {budget!r}")
+        width = max_budget if adaptive else int(budget)
+        config = self._config(method, width, topk, temperature, seed, max_new_tokens, len(prompts), adaptive)
         result = self.engine.generate(self._encode(prompts, chat), config)
         completions = [
             Completion(
@@ -140,15 +150,26 @@ class Pair:
                 finish_reason=out.finish_reason,
                 acceptance_lengths=list(out.acceptance_lengths),
                 seconds=result.seconds,
+                step_budgets=list(out.budgets),
             )
             for out in result.outputs
         ]
         return completions[0] if isinstance(prompt, str) else completions
 
     def _config(
-        self, method: str, budget: int, topk: int | None, temperature: float, seed: int, tokens: int, prompts: int
+        self,
+        method: str,
+        budget: int,
+        topk: int | None,
+        temperature: float,
+        seed: int,
+        tokens: int,
+        prompts: int,
+        adaptive: bool = False,
     ) -> GenerationConfig:
-        config = GenerationConfig(method, budget, topk, temperature, seed, tokens, self.eos_token_ids)
+        config = GenerationConfig(
+            method, budget, topk, temperature, seed, tokens, self.eos_token_ids, adaptive=adaptive
+        )
         check_generation(config, self.vocab_size, prompts)
         if get_method(method).needs_drafter and self.drafter is None:
             raise ValueError(

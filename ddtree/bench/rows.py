@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ddtree.adaptive import ADAPTIVE  # the row of ddtree choosing each step's width, up to its budget
 from ddtree.engine.engine import Engine, GenerationResult
 from ddtree.errors import UserError
 from ddtree.methods import get_method, mean_acceptance_length, method_label
@@ -32,7 +33,6 @@ from ddtree.settings import GenerationConfig
 
 HF_BASELINE = "hf"  # `--baseline hf`: HF transformers `generate`, greedy, static cache
 AUTO = "auto"  # the row of ddtree following a budget schedule
-ADAPTIVE = "adaptive"  # the row of ddtree choosing each step's width (`ddtree.adaptive`), up to its budget
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddtree.adaptive import DEFAULT_MAX_BUDGET
 from ddtree.cli.common import (
-    DEFAULT_MAX_BUDGET,
     POSITIVE,
     SEED,
     add_command,

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ddtree.adaptive import ADAPTIVE, DEFAULT_MAX_BUDGET
 from ddtree.errors import UserError
 from ddtree.kernels import ATTENTION_CHOICES
 
@@ -156,8 +157,6 @@ def _bounds(low: float, high: float | None, above: bool = False) -> str:
 
 SEED = int_flag(0, SEED_MAX)
 POSITIVE = int_flag(1)
-ADAPTIVE = "adaptive"  # `--budget adaptive`: each step verifies the width its own tree predicts pays most
-DEFAULT_MAX_BUDGET = 64  # the widest tree an adaptive step may verify, unless --max-budget says
 
 
 def budget_flag(*words: str) -> Callable[[str], int | str]:

@@ -10,8 +10,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from ddtree.adaptive import ADAPTIVE
 from ddtree.cli.common import (
-    ADAPTIVE,
     POSITIVE,
     add_command,
     budget_args,

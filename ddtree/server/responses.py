@@ -23,11 +23,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ddtree.adaptive import ADAPTIVE  # the budget of a server whose steps choose their width
 from ddtree.methods import mean_acceptance_length
 
 DONE = "data: [DONE]\n\n"
 AUTO = "auto"  # the budget of a server whose budget follows the load
-ADAPTIVE = "adaptive"  # the budget of a server whose steps choose their width
 
 
 def ddtree_block(
