@@ -24,6 +24,7 @@ from ddtree import observer as stages
 from ddtree.adaptive import adaptive_widths
 from ddtree.engine import step
 from ddtree.engine.graphs import StepRunner
+from ddtree.engine.readback import Readback
 from ddtree.engine.step import Choosing, StepModels, StepState
 from ddtree.methods import TreeShape, get_method
 from ddtree.observer import StepObserver
@@ -56,6 +57,7 @@ class AdaptiveSteps:
         self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
         self._show_tree = show_tree
         self._decided: tuple[int, float] | None = None
+        self._readback = Readback(self.device, 1)  # a pinned buffer and an event: no implicit sync
         self.first = StepRunner(
             [
                 (stages.STAGE_DRAFT, partial(step.draft, models)),
@@ -122,9 +124,8 @@ class AdaptiveSteps:
         if stage == stages.STAGE_DECIDE:  # the readback inside the stage that needs it
             self._decided = self._read(state)
 
-    @staticmethod
-    def _read(state: StepState) -> tuple[int, float]:
-        index, gain = state.decision.tolist()
+    def _read(self, state: StepState) -> tuple[int, float]:
+        (index, gain), *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 2]
         return int(index), float(gain)
 
     def _shape(self, width: int) -> TreeShape:
