@@ -34,7 +34,7 @@ EXAMPLES = (
     "ddtree serve  # the default pair on 127.0.0.1:8000",
     "ddtree serve --model TARGET --drafter DRAFTER --budget 16 --host 0.0.0.0 --max-batch-size 16",
     "ddtree tune && ddtree serve --budget auto  # the budget follows the load, as tuned on this device",
-    "ddtree serve --budget adaptive --max-budget 64  # each step verifies the width its own tree says pays most",
+    "ddtree serve --budget adaptive --max-budget 64  # each step verifies the width that pays most",
     "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\",
     """    -d '{"prompt": "Hello", "max_tokens": 32}'""",
 )

@@ -40,7 +40,7 @@ def generation(interval: int = 1) -> Generation:
 
 
 STATE = SimpleNamespace(
-    model=SimpleNamespace(card=SimpleNamespace(schedule=None, method="ar", tree_budget=1, tree_topk=1))
+    model=SimpleNamespace(card=SimpleNamespace(schedule=None, adaptive=False, method="ar", tree_budget=1, tree_topk=1))
 )
 
 
