@@ -17,12 +17,15 @@ small tensor to pick the width's captured graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ddtree.methods import curve_widths
 
 ADAPTIVE = "adaptive"  # the budget that lets each step choose its width (`--budget adaptive`, `budget="adaptive"`)
 DEFAULT_MAX_BUDGET = 64  # the widest tree an adaptive step may verify, unless told
+PRIOR_STEPS = 8.0  # predicted drafts' worth of weight that pulls a width's calibration toward the pooled one
 
 
 def adaptive_widths(budget: int) -> tuple[int, ...]:
@@ -39,16 +42,21 @@ def expected_accepted(log_probs: torch.Tensor, widths: torch.Tensor) -> torch.Te
     return cumulative[:, widths]  # [n, K]
 
 
-def calibrate(expected: torch.Tensor, knots_x: torch.Tensor, knots_y: torch.Tensor) -> torch.Tensor:
-    """`expected` [n, K] through each width's monotone map, knots [K, M] ascending in x (as
-    `telemetry.calibration.isotonic` fits them, padded by repeating the last knot): linear between the
-    knots, flat beyond them -> [n, K]."""
-    x = expected.transpose(0, 1).contiguous()  # [K, n]
-    right = torch.searchsorted(knots_x, x).clamp(1, knots_x.shape[1] - 1)  # [K, n]
-    x0, x1 = knots_x.gather(1, right - 1), knots_x.gather(1, right)
-    y0, y1 = knots_y.gather(1, right - 1), knots_y.gather(1, right)
-    t = ((x - x0) / (x1 - x0).clamp_min(1e-12)).clamp(0, 1)
-    return (y0 + t * (y1 - y0)).transpose(0, 1)  # [n, K]
+def calibrated(expected: torch.Tensor, scale: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """`expected` [n, K] times each width's calibration `scale` [K] (what the target accepted over what the
+    drafter predicted, at that width), capped at the width: no tree of W drafts accepts more than W -> [n, K]."""
+    return torch.minimum(expected * scale[None, :], widths[None, :].to(expected.dtype))
+
+
+def calibration_scale(accepted: Sequence[float], predicted: Sequence[float], prior: float = PRIOR_STEPS) -> list[float]:
+    """Each width's scale from the request steps that ran it: its accepted drafts over its raw prediction, each
+    summed over those steps, shrunk toward the scale of all widths together by `prior` steps' worth of weight
+    (a width seldom run keeps the pooled scale), within [1/4, 4]."""
+    pooled = min(4.0, max(0.25, sum(accepted) / sum(predicted))) if sum(predicted) > 0 else 1.0
+    return [
+        min(4.0, max(0.25, (a + prior * pooled) / (p + prior))) if p + prior > 0 else pooled
+        for a, p in zip(accepted, predicted, strict=True)
+    ]
 
 
 def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
@@ -60,3 +68,14 @@ def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tenso
     best = rate.argmax()
     gain = rate[best] / rate[0].clamp_min(1e-12)
     return torch.stack([best.float(), gain])  # [2]
+
+
+def decision(
+    expected: torch.Tensor, scale: torch.Tensor, widths: torch.Tensor, active: torch.Tensor, cost: torch.Tensor
+) -> torch.Tensor:
+    """The step's choice from its raw predictions `expected` [n, K]: `choose_width` on the calibrated ones ->
+    [3] float32: the width's index, its predicted gain, and the raw prediction at that width summed over the
+    active rows (what the session's calibration sets against the drafts the target then accepts)."""
+    chosen = choose_width(calibrated(expected, scale, widths), active, cost)  # [2]
+    raw = (active.float() * expected.float()[:, chosen[0].long()]).sum()
+    return torch.cat([chosen, raw[None]])  # [3]

@@ -34,7 +34,7 @@ import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step
-from ddtree.engine.adaptive import AdaptiveSteps, timed_steps
+from ddtree.engine.adaptive import AdaptiveSteps, Observed, timed_steps
 from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
 from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
 from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
@@ -79,6 +79,7 @@ class _Launch:
     ticket: Any  # from `Readback.start`
     shape: TreeShape  # the tree it verified
     gain: float | None = None  # an adaptive step: the gain its width predicted over ar
+    observed: Observed | None = None  # an adaptive step's own choice: its calibration's input (`observe`)
 
 
 # The kinds of step a batch can make (their graphs differ: `StepState`'s flags): greedy, sampled, sampled
@@ -425,16 +426,16 @@ class DecodeSession:
             warmup = self.compiles_per_shape and self.adaptive.is_new(key)
             self.observer.on_step_start(self.steps, rows.n, warmup, shape)
             made = partial(StepState, rows, span, sampled, filtered, scored)
-            state, shape, gain = self.adaptive.run(key, made)
+            state, shape, gain, observed = self.adaptive.run(key, made)
             self.observer.on_width(self.steps, shape, gain)
         else:
-            gain = None
+            gain, observed = None, None
             runner = self.runners[shape]
             warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
             self.observer.on_step_start(self.steps, rows.n, warmup, shape)
             state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
         ticket = self._readback.start(state.out)
-        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, gain))
+        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, gain, observed))
         self.steps += 1
 
     def _scheduled(self, rows: int) -> TreeShape:
@@ -448,6 +449,9 @@ class DecodeSession:
     def _finish(self, launch: _Launch) -> list[int]:
         host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
+        if self.adaptive is not None and launch.observed is not None:  # the rows decoding when it launched
+            accepted = sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s))
+            self.adaptive.observe(launch.observed, accepted)
         emitted = self._commit(host, scores, launch)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))

@@ -14,7 +14,7 @@ session's per-slot tensors (`Rows` views them), which the stages update in place
                 -> out [n, columns], the one host readback
 
 An adaptive step (`--budget adaptive`) runs in two parts. The first drafts and builds the widest tree, then
-`decide`s on the device which width pays most (`ddtree.adaptive`) -> decision [2], which the host reads.
+`decide`s on the device which width pays most (`ddtree.adaptive`) -> decision [3], which the host reads.
 The second verifies and accepts the tree's first `width` nodes: its state's `source` is the first part's
 state, and `narrow` takes the tree from it inside the step (so a replay reads what the first part's replay
 wrote).
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.accept import AcceptResult, accept
-from ddtree.adaptive import calibrate, choose_width, expected_accepted
+from ddtree.adaptive import decision, expected_accepted
 from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, path_columns
 from ddtree.engine.probe import ProbeLayout, readout
 from ddtree.engine.proposers import Proposer
@@ -94,17 +94,17 @@ class StepState:
     out: torch.Tensor = field(init=False)  # [n, columns] int64, what the host reads back
     layout: ProbeLayout | None = field(init=False)  # where the probe sits in `out`; None: no probe
     scored: LogprobLayout | None = field(init=False)  # the log-probabilities, `out`'s last columns; None: none
-    decision: torch.Tensor = field(init=False)  # [2] float32: an adaptive step's width index and predicted gain
+    decision: torch.Tensor = field(init=False)  # [3] float32: an adaptive step's width index, gain, raw prediction
 
 
 @dataclass(frozen=True)
 class Choosing:
     """What an adaptive step's `decide` weighs, static tensors the session updates in place: the widths, the
-    step time at each for this row count, and each width's calibration map (None: the raw prediction)."""
+    step time at each for this row count, and each width's calibration scale."""
 
     widths: torch.Tensor  # [K] int64, 0 (ar) first
     cost: torch.Tensor  # [K] float32, seconds per step at this row count
-    knots: tuple[torch.Tensor, torch.Tensor] | None = None  # x and y [K, M]
+    scale: torch.Tensor  # [K] float32, accepted over predicted drafts at each width (1: the raw prediction)
 
 
 def draft(m: StepModels, s: StepState) -> None:
@@ -122,9 +122,7 @@ def decide(m: StepModels, s: StepState) -> None:
     c = s.choice_of
     assert c is not None, "an adaptive step's first part is made with what it chooses between"
     expected = expected_accepted(s.tree.log_probs, c.widths)  # [n, K]
-    if c.knots is not None:
-        expected = calibrate(expected, *c.knots)
-    s.decision = choose_width(expected, s.rows.active, c.cost)  # [2]
+    s.decision = decision(expected, c.scale, c.widths, s.rows.active, c.cost)  # [3]
 
 
 def narrow(m: StepModels, s: StepState) -> None:

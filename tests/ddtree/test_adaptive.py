@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.adaptive import adaptive_widths, calibrate, choose_width, expected_accepted
+from ddtree.adaptive import (
+    adaptive_widths,
+    calibrated,
+    calibration_scale,
+    choose_width,
+    decision,
+    expected_accepted,
+)
 from telemetry import calibration
 
 
@@ -35,20 +42,32 @@ def test_expected_accepted_is_the_telemetry_prediction_and_zero_at_width_zero(se
     assert (got[:, 0] == 0).all()
 
 
-def test_calibrate_is_each_widths_own_map() -> None:
-    rng = np.random.default_rng(4)
-    maps = [calibration.isotonic(list(rng.uniform(0, 8, 40)), list(rng.uniform(0, 8, 40))) for _ in range(3)]
-    size = max(len(xs) for xs, _ in maps)
+def test_calibration_scales_each_width_by_its_own_outcome_shrunk_to_the_pooled_one() -> None:
+    accepted, predicted = [0.0, 30.0, 10.0, 0.0], [0.0, 20.0, 20.0, 0.0]  # width 3 never ran
+    scale = calibration_scale(accepted, predicted, prior=0.0)
+    assert scale[1] == pytest.approx(1.5) and scale[2] == pytest.approx(0.5)
+    assert scale[0] == pytest.approx(1.0) and scale[3] == pytest.approx(1.0)  # the pooled 40 / 40
+    shrunk = calibration_scale(accepted, predicted, prior=20.0)
+    assert shrunk[1] == pytest.approx((30 + 20) / (20 + 20)) and 0.5 < shrunk[2] < 1.0
+    assert calibration_scale([0.0], [0.0]) == [1.0]  # nothing seen yet: the raw prediction
+    assert calibration_scale([100.0], [1.0]) == [4.0]  # a ratio far off is bounded
 
-    def pad(v: list[float]) -> list[float]:
-        return v + [v[-1]] * (size - len(v))
 
-    knots_x = torch.tensor([pad(xs) for xs, _ in maps], dtype=torch.float64)
-    knots_y = torch.tensor([pad(ys) for _, ys in maps], dtype=torch.float64)
-    x = rng.uniform(-1, 9, size=(6, 3))
-    got = calibrate(torch.tensor(x), knots_x, knots_y).numpy()
-    for k, knots in enumerate(maps):
-        assert np.allclose(got[:, k], calibration.apply_map(knots, x[:, k]), atol=1e-9), k
+def test_the_calibrated_prediction_never_exceeds_the_width() -> None:
+    expected = torch.tensor([[0.0, 0.9, 1.5, 2.0]])
+    widths = torch.tensor([0, 1, 2, 4])
+    got = calibrated(expected, torch.tensor([1.0, 2.0, 1.2, 0.5]), widths)
+    assert got[0].tolist() == pytest.approx([0.0, 1.0, 1.8, 1.0])
+
+
+def test_the_decision_carries_the_raw_prediction_at_the_chosen_width_over_active_rows() -> None:
+    expected = torch.tensor([[0.0, 0.5, 1.0], [0.0, 0.6, 0.9], [0.0, 5.0, 9.0]])  # the third row finished
+    active = torch.tensor([True, True, False])
+    widths = torch.tensor([0, 1, 2])
+    index, gain, raw = decision(expected, torch.ones(3), widths, active, torch.tensor([1.0, 1.0, 1.0])).tolist()
+    assert index == 2 and raw == pytest.approx(1.9) and gain == pytest.approx((2 + 1.9) / 2)
+    scaled = decision(expected, torch.tensor([1.0, 1.0, 0.1]), widths, active, torch.tensor([1.0, 1.0, 1.0]))
+    assert scaled.tolist()[0] == 1 and scaled.tolist()[2] == pytest.approx(1.1)  # raw, not scaled
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -10,6 +10,7 @@ import pytest
 
 from ddtree.adaptive import adaptive_widths
 from ddtree.engine import graphs
+from ddtree.engine.adaptive import RECALIBRATE_EVERY
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
 from ddtree.engine.requests import Request
@@ -159,3 +160,17 @@ def test_a_replayed_step_verifies_the_tree_its_own_first_part_drafted(
     assert [o.acceptance_lengths for o in replayed] == [o.acceptance_lengths for o in eager]
     assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
     assert sum(a > 1 for o in eager for a in o.acceptance_lengths) > 5, "drafts should be accepted"
+
+
+def test_the_session_calibrates_its_prediction_from_what_the_target_accepted() -> None:
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    engine = Engine(target, drafter)
+    config = GenerationConfig(method="ddtree", budget=8, adaptive=True, max_new_tokens=40)
+    out = engine.generate(random_prompts(0, 2, vocab=8), config)
+    session = next(s for s in engine.sessions.values() if s.adaptive is not None)
+    adaptive = session.adaptive
+    assert adaptive is not None and sum(len(o.budgets) for o in out.outputs) >= RECALIBRATE_EVERY
+    accepted = sum(a - 1 for o in out.outputs for a in o.acceptance_lengths)
+    assert sum(adaptive.accepted) == accepted and sum(adaptive.predicted) > 0
+    updated = adaptive._observed - adaptive._observed % RECALIBRATE_EVERY  # the scales sent last
+    assert updated >= RECALIBRATE_EVERY and adaptive.scale.tolist() != [1.0] * len(adaptive.widths)
