@@ -113,7 +113,7 @@ if has adaptive-check; then $PY tests/gpu/checks.py "$target" "" cuda adaptive; 
 if has adaptive; then
   t=${TEMPERATURE:-0}
   $PY -m ddtree.cli bench --model "$target" --drafter "$drafter" --dtype bfloat16 --methods ar,ddtree \
-    --budgets 4,8,16,32,64 --batch-sizes "${SLOTS:-1,4,16,64}" --continuous --num-prompts 64 --max-new-tokens 128 \
+    --budgets "${BUDGETS:-4,8,16,32,64}" --batch-sizes "${SLOTS:-1,4,16,64}" --continuous --num-prompts 64 --max-new-tokens 128 \
     --budget-schedule "$sched" --adaptive --max-budget 64 --temperature "$t" \
     --out "$work/adaptive-rows-t$t-s${SLOTS:-1,4,16,64}${BENCH_TAG:-}.json"
 fi
