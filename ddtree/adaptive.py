@@ -17,7 +17,7 @@ small tensor to pick the width's captured graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -70,12 +70,35 @@ def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tenso
     return torch.stack([best.float(), gain])  # [2]
 
 
+def adaptive_caps(budget: int) -> tuple[int, ...]:
+    """The widest trees an adaptive session may draft at a row count: 4 and 8 where below `budget`, and
+    `budget`. A narrower tree drafts fewer depths (`ddtree.tree.reachable_depth`), which is what most of the
+    draft's cost depends on; at a row count where wide trees do not pay, drafting the widest one would cost
+    every step the depths that no chosen width reaches."""
+    return (*(c for c in (4, 8) if c < budget), budget)
+
+
+def best_cap(expected: Sequence[float | None], costs: Mapping[int, Sequence[float]]) -> int:
+    """The cap whose best width has the most predicted tokens per second for one row: `expected` per width of
+    the widest cap's list (a row's calibrated accepted drafts on average; None: not seen yet), `costs[cap]`
+    the step time of each width of that cap (a prefix of the list). Unseen widths are left out."""
+
+    def rate(cap: int) -> float:
+        seen = [(1 + e) / c for e, c in zip(expected, costs[cap], strict=False) if e is not None and c > 0]
+        return max(seen, default=0.0)
+
+    return max(costs, key=lambda cap: (rate(cap), -cap))
+
+
 def decision(
     expected: torch.Tensor, scale: torch.Tensor, widths: torch.Tensor, active: torch.Tensor, cost: torch.Tensor
 ) -> torch.Tensor:
     """The step's choice from its raw predictions `expected` [n, K]: `choose_width` on the calibrated ones ->
-    [3] float32: the width's index, its predicted gain, and the raw prediction at that width summed over the
-    active rows (what the session's calibration sets against the drafts the target then accepts)."""
+    [4 + K] float32: the width's index, its predicted gain, the raw prediction at that width summed over the
+    active rows (what the session's calibration sets against the drafts the target then accepts), the active
+    rows, and the raw prediction at each width summed over them (the row count's mean curve)."""
     chosen = choose_width(calibrated(expected, scale, widths), active, cost)  # [2]
-    raw = (active.float() * expected.float()[:, chosen[0].long()]).sum()
-    return torch.cat([chosen, raw[None]])  # [3]
+    live = active.float()  # [n]
+    raw = (live * expected.float()[:, chosen[0].long()]).sum()
+    curve = (live[:, None] * expected.float()).sum(dim=0)  # [K]
+    return torch.cat([chosen, raw[None], live.sum()[None], curve])  # [4 + K]

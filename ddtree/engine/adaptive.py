@@ -2,32 +2,39 @@
 
 A step runs in two parts, each eager or replayed as graphs by its own `StepRunner`:
 
-    first   draft -> tree_build (the widest tree) -> decide    keyed as a fixed step is
-            the host reads the decision [3]: one small readback, inside the `decide` stage where it is observed
+    first   draft -> tree_build (the cap's tree) -> decide    keyed as a fixed step is
+            the host reads the decision: one small readback, inside the `decide` stage where it is observed
     second  verify -> accept on the tree's first `width` nodes  keyed by the step's key and the width
 
 The second part's state points at the first part's (`StepState.source`), and its graphs are captured on the
-first part's captured state, so a replay of both reads what the first replay wrote. The cost of each width at
-each row count is measured by the session (`measure`), on this device and dtype, before its first request.
+first part's captured state, so a replay of both reads what the first replay wrote.
 
-The prediction is calibrated as the session goes: per width, the drafts the target accepted over what the
-drafter predicted, summed over the request steps that ran that width and shrunk toward all widths' ratio
-(`ddtree.adaptive.calibration_scale`). The decision carries the raw prediction at the chosen width, the step's
-tokens carry what was accepted, and every `RECALIBRATE_EVERY` steps the scales go to the device (one small
-copy, in stream order).
+The tree a step drafts is its row count's cap (`ddtree.adaptive.adaptive_caps`: 4, 8 and the maximum), each cap
+with its own pair of runners (`CapSteps`) and its own measured step time at each of its widths and row counts
+(`DecodeSession.measure_costs`, on this device and dtype, before the first request). Every
+`RECALIBRATE_EVERY` steps at a row count its cap is the one whose best width is predicted to pay most for the
+row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
+the widest tree, so the curve's wide widths stay current.
+
+The prediction is calibrated as the session goes (`Calibration`): per width, the drafts the target accepted
+over what the drafter predicted, summed over the request steps that ran that width and shrunk toward all
+widths' ratio (`ddtree.adaptive.calibration_scale`); the scales go to the device every `RECALIBRATE_EVERY`
+steps (one small copy, in stream order).
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
 from ddtree import observer as stages
-from ddtree.adaptive import adaptive_widths, calibration_scale
+from ddtree.adaptive import adaptive_caps, adaptive_widths, best_cap, calibration_scale
 from ddtree.engine import step
 from ddtree.engine.graphs import StepRunner
 from ddtree.engine.readback import Readback, to_device
@@ -36,24 +43,140 @@ from ddtree.methods import TreeShape, get_method
 from ddtree.observer import StepObserver
 
 Key = tuple[Any, ...]
-RECALIBRATE_EVERY = 16  # steps between two updates of the device's calibration scales
+RECALIBRATE_EVERY = 16  # steps between two updates of the calibration scales and of a row count's cap
+EXPLORE_EVERY = 64  # every this many steps at a row count, one drafts the widest tree whatever the cap
 
 
-Observed = tuple[int, float]  # a step's width index and its raw prediction there, summed over its active rows
+@dataclass(frozen=True)
+class Observed:
+    """What a step's decision said, for the calibration once its tokens are read."""
+
+    rows: int  # the step's row count
+    index: int  # the chosen width's index
+    raw: float  # the raw prediction at that width, summed over the active rows
+    active: float  # rows decoding
+    curve: list[float]  # the raw prediction at each of the cap's widths, summed over the active rows
+
+
+class Calibration:
+    """What the session has seen of its drafter: per width (of the widest cap's list), the drafts accepted and
+    the raw prediction in the steps that ran it, and per row count the mean prediction curve."""
+
+    def __init__(self, widths: tuple[int, ...], device: torch.device) -> None:
+        self.widths = widths
+        self.device = device
+        self.scale = torch.ones(len(widths), dtype=torch.float32, device=device)  # [K], static: graphs read it
+        self.accepted = [0.0] * len(widths)
+        self.predicted = [0.0] * len(widths)
+        self.curves: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(widths))  # rows -> summed curve
+        self.seen: dict[int, list[float]] = defaultdict(lambda: [0.0] * len(widths))  # rows -> active rows
+        self.steps = 0
+
+    def observe(self, seen: Observed, accepted: int) -> None:
+        self.accepted[seen.index] += accepted
+        self.predicted[seen.index] += seen.raw
+        curve, rows = self.curves[seen.rows], self.seen[seen.rows]
+        for k, value in enumerate(seen.curve):
+            curve[k] += value
+            rows[k] += seen.active
+        self.steps += 1
+        if self.steps % RECALIBRATE_EVERY == 0:
+            self.scale.copy_(to_device(calibration_scale(self.accepted, self.predicted), self.device))
+
+    def expected(self, rows: int) -> list[float | None]:
+        """A row's calibrated accepted drafts at each width, on average at this row count (None: unseen)."""
+        scale = calibration_scale(self.accepted, self.predicted)
+        curve, seen = self.curves[rows], self.seen[rows]
+        return [
+            None if n == 0 else min(float(w), s * c / n)
+            for w, s, c, n in zip(self.widths, scale, curve, seen, strict=True)
+        ]
 
 
 class AdaptiveSteps:
-    """The two runners of an adaptive session whose widest tree is `shape`, the widths it chooses between,
-    and the step time of each width at each row count (`costs`, static tensors updated in place)."""
+    """An adaptive session's steps: a `CapSteps` per cap, the calibration they share, and each row count's cap."""
 
     def __init__(
         self,
-        models: StepModels,
+        models: Callable[[TreeShape], StepModels],
         shape: TreeShape,
         observer: StepObserver,
         cuda_graphs: bool,
         show_tree: Callable[[str, StepState], None],
     ) -> None:
+        self.widths = adaptive_widths(shape.budget)
+        self.calibration = Calibration(self.widths, models(shape).target.device)
+        method = get_method(shape.method)
+        self.caps = {
+            c: CapSteps(models(cap_shape), cap_shape, self.calibration, observer, cuda_graphs, show_tree)
+            for c in adaptive_caps(shape.budget)
+            for cap_shape in [shape if c == shape.budget else TreeShape(shape.method, c, shape.topk, method.label(c))]
+        }
+        self.widest = shape.budget
+        self.cap_of: dict[int, int] = {}  # row count -> its cap (the widest until chosen)
+        self.steps_at: dict[int, int] = defaultdict(int)
+        self.measured = False
+        self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
+        self.forced_cap: int | None = None  # the cap it drafts (None: the widest)
+
+    @property
+    def shapes(self) -> list[TreeShape]:
+        """The trees the caps draft (each needs a proposer)."""
+        return [c.shape for c in self.caps.values()]
+
+    @property
+    def runners(self) -> list[StepRunner[StepState]]:
+        return [r for c in self.caps.values() for r in c.runners]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (cap, width) a step can run."""
+        return [(cap, w) for cap, steps in self.caps.items() for w in steps.widths]
+
+    def set_cost(self, rows: int, cap: int, width: int, seconds: float) -> None:
+        self.caps[cap].set_cost(rows, width, seconds)
+
+    def cap(self, rows: int) -> int:
+        """The cap a step of `rows` rows drafts."""
+        if self.forced is not None or self.forced_cap is not None:
+            return self.widest if self.forced_cap is None else self.forced_cap
+        if self.steps_at[rows] % EXPLORE_EVERY == 0:
+            return self.widest
+        return self.cap_of.get(rows, self.widest)
+
+    def is_new(self, key: Key) -> bool:
+        return self.caps[self.cap(key[0])].first.is_new(key)
+
+    def run(self, key: Key, make: Callable[..., StepState]) -> tuple[StepState, TreeShape, float, Observed | None]:
+        """One step on its row count's cap (`CapSteps.run`)."""
+        rows = key[0]
+        cap = self.caps[self.cap(rows)]
+        self.steps_at[rows] += 1
+        return cap.run(key, make, self.forced)
+
+    def observe(self, seen: Observed, accepted: int) -> None:
+        """A step's decision against the drafts its rows then accepted; every `RECALIBRATE_EVERY` steps at its
+        row count, that row count's cap chosen again."""
+        self.calibration.observe(seen, accepted)
+        if self.steps_at[seen.rows] % RECALIBRATE_EVERY == 0 and len(self.caps) > 1:
+            costs = {c: steps.seconds[seen.rows] for c, steps in self.caps.items() if seen.rows in steps.seconds}
+            if len(costs) == len(self.caps):
+                self.cap_of[seen.rows] = best_cap(self.calibration.expected(seen.rows), costs)
+
+
+class CapSteps:
+    """The two runners of the steps that draft `shape`'s tree, the widths they choose between, and the step
+    time of each width at each row count (`costs`, static tensors updated in place; `seconds`, their values)."""
+
+    def __init__(
+        self,
+        models: StepModels,
+        shape: TreeShape,
+        calibration: Calibration,
+        observer: StepObserver,
+        cuda_graphs: bool,
+        show_tree: Callable[[str, StepState], None],
+    ) -> None:
+        self.shape = shape
         self.widths = adaptive_widths(shape.budget)
         self.device = models.target.device
         self.widths_t = torch.tensor(self.widths, dtype=torch.long, device=self.device)  # [K]
@@ -63,14 +186,10 @@ class AdaptiveSteps:
             for w in self.widths
         }
         self.costs: dict[int, torch.Tensor] = {}  # row count -> [K] seconds per step
-        self.scale = torch.ones(len(self.widths), dtype=torch.float32, device=self.device)  # [K], static
-        self.accepted = [0.0] * len(self.widths)  # per width: drafts accepted in the steps that ran it
-        self.predicted = [0.0] * len(self.widths)  # per width: the raw prediction in those steps
-        self._observed = 0
-        self.measured = False
-        self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
+        self.seconds: dict[int, list[float]] = {}  # the same, on the host
+        self.scale = calibration.scale[: len(self.widths)]  # [K] a view: the calibration's updates reach it
         self._show_tree = show_tree
-        self._decided: tuple[int, float, float] | None = None
+        self._decided: list[float] | None = None
         self._readback = Readback(self.device, 1)  # a pinned buffer and an event: no implicit sync
         self.first = StepRunner(
             [
@@ -109,54 +228,46 @@ class AdaptiveSteps:
     @torch.inference_mode()
     def set_cost(self, rows: int, width: int, seconds: float) -> None:
         """A step of `width` at `rows` rows takes `seconds` (the session's own measure, or the caller's)."""
-        self.cost(rows)[self.widths.index(width)] = seconds
+        index = self.widths.index(width)
+        self.cost(rows)[index] = seconds
+        self.seconds.setdefault(rows, [1.0] * len(self.widths))[index] = seconds
 
-    def is_new(self, key: Key) -> bool:
-        return self.first.is_new(key)
-
-    def run(self, key: Key, make: Callable[..., StepState]) -> tuple[StepState, TreeShape, float, Observed | None]:
+    def run(
+        self, key: Key, make: Callable[..., StepState], forced: int | None
+    ) -> tuple[StepState, TreeShape, float, Observed | None]:
         """One step: the first part, the decision read back, the second part at the chosen width (or `forced`).
         `make(**fields)` makes a fresh state of the step's shape with those fields. Returns the second part's
-        state, the tree it verified, the gain the choice predicted over `ar`, and what `observe` takes once
-        the step's tokens are read (None for a forced width)."""
+        state, the tree it verified, the gain the choice predicted over `ar`, and what the calibration takes
+        once the step's tokens are read (None for a forced width)."""
         self._decided = None
         n = key[0]
         first = self.first.run(key, lambda: make(choice_of=Choosing(self.widths_t, self.cost(n), self.scale)))
         if self._decided is None:  # a replayed one-graph step: no stage hooks ran
             self._decided = self._read(first)
-        index, gain, raw = self._decided
-        observed = (index, raw) if self.forced is None else None
-        width = self.widths[index] if self.forced is None else self.forced
+        index, gain, raw, active, *curve = self._decided
+        index = int(index)
+        seen = None if forced is not None else Observed(n, index, raw, active, curve)
+        width = self.widths[index] if forced is None else forced
         captured = self.first.captured_state(key) or first
         second = self.second.run(
             (*key, width),
             lambda: make(source=first, width=width),
             lambda: make(source=captured, width=width),
         )
-        return second, self.shapes.get(width) or self._shape(width), gain, observed
-
-    def observe(self, observed: Observed, accepted: int) -> None:
-        """A step's raw prediction at its width (`run`'s) against the drafts its rows then accepted."""
-        index, raw = observed
-        self.accepted[index] += accepted
-        self.predicted[index] += raw
-        self._observed += 1
-        if self._observed % RECALIBRATE_EVERY == 0:
-            self.scale.copy_(to_device(calibration_scale(self.accepted, self.predicted), self.device))
+        return second, self.shapes.get(width) or self._shape(width), gain, seen
 
     def _after_first(self, stage: str, state: StepState) -> None:
         self._show_tree(stage, state)
         if stage == stages.STAGE_DECIDE:  # the readback inside the stage that needs it
             self._decided = self._read(state)
 
-    def _read(self, state: StepState) -> tuple[int, float, float]:
-        (index, gain, raw), *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 3]
-        return int(index), float(gain), float(raw)
+    def _read(self, state: StepState) -> list[float]:
+        row, *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 4 + K]
+        return [float(v) for v in row]
 
     def _shape(self, width: int) -> TreeShape:
         """The tree of a forced width that is none of the chosen ones (tests)."""
-        widest = self.shapes[self.widths[-1]]
-        return TreeShape(widest.method, width, widest.topk, get_method(widest.method).label(width))
+        return TreeShape(self.shape.method, width, self.shape.topk, get_method(self.shape.method).label(width))
 
 
 def _nothing(state: StepState) -> None:

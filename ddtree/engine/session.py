@@ -167,11 +167,14 @@ class DecodeSession:
         stamped = self.probed and cuda_graphs and stamps_available(device) and not self.schedule.adaptive
         self.runners = {s: self._runner(self.proposers[s], stamped) for s in self.schedule.shapes}
         self.runner = self.runners[shape]
-        self.adaptive = (
-            AdaptiveSteps(self._models(self.proposer), shape, observer, cuda_graphs, self._show_tree)
-            if self.schedule.adaptive
-            else None
-        )
+
+        def models(s: TreeShape) -> StepModels:  # an adaptive cap's proposer, made here
+            if s not in self.proposers:
+                self.proposers[s] = make_proposer(s, target, drafter, tree_kernel, feeds_drafter=True)
+            return self._models(self.proposers[s])
+
+        adaptive = self.schedule.adaptive
+        self.adaptive = AdaptiveSteps(models, shape, observer, cuda_graphs, self._show_tree) if adaptive else None
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
@@ -277,20 +280,20 @@ class DecodeSession:
         if self.free_slots() != list(range(self.num_slots)):
             raise ValueError("warm_up needs an empty session")
         observer, adaptive = self.observer, self.adaptive
-        widths: tuple[int | None, ...] = (None,) if adaptive is None else adaptive.widths
+        pairs: list[tuple[int | None, int | None]] = [(None, None)] if adaptive is None else [*adaptive.pairs()]
         if adaptive is not None:
             adaptive.measured = True  # measured below, once every width's graphs are made
         self._set_observer(NOOP)
         try:
             for kind in WARM_UP_KINDS:
                 for n in row_counts(self.num_slots):
-                    for width in widths:
+                    for cap, width in pairs:
                         if adaptive is not None:
-                            adaptive.forced = width
+                            adaptive.forced_cap, adaptive.forced = cap, width
                         self._run_dummies(n, prompt_tokens, new_tokens, kind)
         finally:
             if adaptive is not None:
-                adaptive.forced = None
+                adaptive.forced_cap, adaptive.forced = None, None
             self._set_observer(observer)
         if adaptive is not None:
             self.measure_costs()
@@ -310,11 +313,11 @@ class DecodeSession:
         self._set_observer(NOOP)
         try:
             for n in row_counts(self.num_slots):
-                for width in adaptive.widths:
-                    adaptive.forced = width
-                    adaptive.set_cost(n, width, self._time_steps(n, repeats, prompt_tokens))
+                for cap, width in adaptive.pairs():
+                    adaptive.forced_cap, adaptive.forced = cap, width
+                    adaptive.set_cost(n, cap, width, self._time_steps(n, repeats, prompt_tokens))
         finally:
-            adaptive.forced = None
+            adaptive.forced_cap, adaptive.forced = None, None
             self._set_observer(observer)
 
     def _time_steps(self, n: int, repeats: int, prompt_tokens: int) -> float:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from ddtree.adaptive import (
+    adaptive_caps,
     adaptive_widths,
+    best_cap,
     calibrated,
     calibration_scale,
     choose_width,
@@ -64,8 +66,9 @@ def test_the_decision_carries_the_raw_prediction_at_the_chosen_width_over_active
     expected = torch.tensor([[0.0, 0.5, 1.0], [0.0, 0.6, 0.9], [0.0, 5.0, 9.0]])  # the third row finished
     active = torch.tensor([True, True, False])
     widths = torch.tensor([0, 1, 2])
-    index, gain, raw = decision(expected, torch.ones(3), widths, active, torch.tensor([1.0, 1.0, 1.0])).tolist()
+    index, gain, raw, rows, *curve = decision(expected, torch.ones(3), widths, active, torch.ones(3)).tolist()
     assert index == 2 and raw == pytest.approx(1.9) and gain == pytest.approx((2 + 1.9) / 2)
+    assert rows == 2 and curve == pytest.approx([0.0, 1.1, 1.9])
     scaled = decision(expected, torch.tensor([1.0, 1.0, 0.1]), widths, active, torch.tensor([1.0, 1.0, 1.0]))
     assert scaled.tolist()[0] == 1 and scaled.tolist()[2] == pytest.approx(1.1)  # raw, not scaled
 
@@ -83,6 +86,22 @@ def test_the_choice_is_the_width_with_most_predicted_tokens_per_second(seed: int
     rate = [sum(1 + expected[i, w] for i in range(rows) if active[i]) / cost[w] for w in range(k)]
     assert int(decision[0]) == int(np.argmax(rate))
     assert decision[1] == pytest.approx(max(rate) / rate[0], rel=1e-5)
+
+
+def test_the_caps_are_4_and_8_below_the_budget_and_the_budget() -> None:
+    assert adaptive_caps(64) == (4, 8, 64)
+    assert adaptive_caps(8) == (4, 8)
+    assert adaptive_caps(3) == (3,)
+
+
+def test_the_best_cap_is_the_one_whose_best_width_pays_most() -> None:
+    expected = [0.0, 0.9, 1.6, 2.2, 2.6]  # widths 0, 1, 2, 4, 8 of the widest cap
+    costs = {4: [1.0, 1.2, 1.3, 1.5], 8: [1.4, 1.6, 1.7, 1.9, 2.1]}  # the wider draft costs every width more
+    assert best_cap(expected, costs) == 4  # 3.2 / 1.5 beats 3.6 / 2.1
+    assert best_cap(expected, {4: costs[4], 8: [1.0, 1.0, 1.0, 1.0, 1.1]}) == 8
+    unseen = [0.0, 0.9, None, None, None]  # only what was seen counts
+    assert best_cap(unseen, costs) == 4
+    assert best_cap(expected, {4: [1.0] * 4, 8: [1.0] * 4 + [3.6 / 3.2]}) == 4  # a tie: the narrower draft
 
 
 def test_rows_that_no_longer_decode_weigh_nothing() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree.adaptive import adaptive_widths
 from ddtree.engine import graphs
-from ddtree.engine.adaptive import RECALIBRATE_EVERY
+from ddtree.engine.adaptive import EXPLORE_EVERY, RECALIBRATE_EVERY
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
 from ddtree.engine.requests import Request
@@ -86,21 +86,23 @@ def test_the_choice_follows_the_measured_costs() -> None:
     config = GenerationConfig(method="ddtree", budget=8, adaptive=True, max_new_tokens=12)
     first = engine.generate(prompts, config)
     session = next(s for s in engine.sessions.values() if s.adaptive is not None)
-    assert session.adaptive is not None and set(session.adaptive.costs) == {1, 2}
-    assert all(bool((c > 0).all()) and c.shape == (len(adaptive_widths(8)),) for c in session.adaptive.costs.values())
-    assert all(len(o.gains) == len(o.budgets) == len(o.acceptance_lengths) for o in first.outputs)
     adaptive = session.adaptive
-    for rows in adaptive.costs:  # ar costs nothing: every step verifies the root alone
-        for width in adaptive.widths:
-            adaptive.set_cost(rows, width, 1e-9 if width == 0 else 1.0)
+    assert adaptive is not None and set(adaptive.caps) == {4, 8}
+    for cap, steps in adaptive.caps.items():  # every cap's widths, timed at every row count
+        assert set(steps.costs) == {1, 2} and steps.widths == adaptive_widths(cap)
+        assert all(bool((c > 0).all()) and c.shape == (len(steps.widths),) for c in steps.costs.values())
+    assert all(len(o.gains) == len(o.budgets) == len(o.acceptance_lengths) for o in first.outputs)
+    for rows in (1, 2):  # ar costs nothing: every step verifies the root alone
+        for cap, width in adaptive.pairs():
+            adaptive.set_cost(rows, cap, width, 1e-9 if width == 0 else 1.0)
     ar_only = engine.generate(prompts, config)
     assert {b for o in ar_only.outputs for b in o.budgets} == {0}
     assert all(a == 1 for o in ar_only.outputs for a in o.acceptance_lengths)
-    for rows in adaptive.costs:  # every width costs the same: the widest predicts the most
-        for width in adaptive.widths:
-            adaptive.set_cost(rows, width, 1.0)
+    for rows in (1, 2):  # every width costs the same: the widest of the step's cap predicts the most
+        for cap, width in adaptive.pairs():
+            adaptive.set_cost(rows, cap, width, 1.0)
     widest = engine.generate(prompts, config)
-    assert {b for o in widest.outputs for b in o.budgets} == {8}
+    assert {b for o in widest.outputs for b in o.budgets} <= {4, 8}
     assert [o.token_ids for o in widest.outputs] == [o.token_ids for o in ar_only.outputs]
 
 
@@ -111,7 +113,7 @@ def test_measuring_costs_needs_an_adaptive_empty_session() -> None:
         fixed.measure_costs()
     session = _session(target, drafter, 4, slots=2)
     slot = session.join([Request([1, 2], 5)])[0]  # the first join measures
-    assert session.adaptive is not None and set(session.adaptive.costs) == {1, 2}
+    assert session.adaptive is not None and set(session.adaptive.caps[4].costs) == {1, 2}
     with pytest.raises(ValueError, match="empty"):
         session.measure_costs()
     session.leave(slot)
@@ -168,9 +170,27 @@ def test_the_session_calibrates_its_prediction_from_what_the_target_accepted() -
     config = GenerationConfig(method="ddtree", budget=8, adaptive=True, max_new_tokens=40)
     out = engine.generate(random_prompts(0, 2, vocab=8), config)
     session = next(s for s in engine.sessions.values() if s.adaptive is not None)
-    adaptive = session.adaptive
-    assert adaptive is not None and sum(len(o.budgets) for o in out.outputs) >= RECALIBRATE_EVERY
+    assert session.adaptive is not None and sum(len(o.budgets) for o in out.outputs) >= RECALIBRATE_EVERY
+    seen = session.adaptive.calibration
     accepted = sum(a - 1 for o in out.outputs for a in o.acceptance_lengths)
-    assert sum(adaptive.accepted) == accepted and sum(adaptive.predicted) > 0
-    updated = adaptive._observed - adaptive._observed % RECALIBRATE_EVERY  # the scales sent last
-    assert updated >= RECALIBRATE_EVERY and adaptive.scale.tolist() != [1.0] * len(adaptive.widths)
+    assert sum(seen.accepted) == accepted and sum(seen.predicted) > 0 and seen.steps >= RECALIBRATE_EVERY
+    assert seen.scale.tolist() != [1.0] * len(seen.widths)  # sent to the device
+    expected = seen.expected(2)  # the row count's mean curve, calibrated, within each width
+    assert all(e is None or 0 <= e <= w for e, w in zip(expected, seen.widths, strict=True))
+
+
+def test_a_row_count_drafts_the_cap_whose_best_width_pays_most() -> None:
+    """Where drafting the widest tree costs every width more, the row count's steps soon draft a narrower one:
+    their widths stay within it (but for the widest draft every `EXPLORE_EVERY` steps)."""
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    session = _session(target, drafter, 8, slots=1)
+    adaptive = session.adaptive
+    assert adaptive is not None
+    adaptive.measured = True
+    for cap, width in adaptive.pairs():
+        adaptive.set_cost(1, cap, width, 1.0 if cap == 4 else 10.0)
+    out = _stream(session, [Request([1, 2, 3], 80)], lambda _: None)[0]
+    assert adaptive.cap_of[1] == 4 and len(out.budgets) > RECALIBRATE_EVERY + 4
+    later = out.budgets[RECALIBRATE_EVERY + 1 :]
+    assert all(b <= 4 for i, b in enumerate(later, RECALIBRATE_EVERY + 1) if i % EXPLORE_EVERY)
+    assert max(out.budgets[:RECALIBRATE_EVERY]) == 8  # the first steps draft the widest tree
