@@ -103,7 +103,7 @@ class ExporterProcess:
         # StepStats's fields in order, less `info` (the exporter has it from the requests' start), then the tree
         # the step verified (a session whose budget follows the load changes it between steps)
         record: tuple[Any, ...] = (s.step, s.active, s.depths, s.accepted, s.emitted, s.stage_ns, s.start_ns)
-        record += (s.end_ns, s.slot_ids, *tree, s.warmup, s.rows, s.ranks, s.info.tree)
+        record += (s.end_ns, s.slot_ids, *tree, s.warmup, s.rows, s.ranks, s.gain, s.info.tree)
         if self.outbox is None:
             self.ledger.add_steps([s.step])
         else:

@@ -131,3 +131,18 @@ def test_a_large_budget_generate_logs_every_step(tmp_path: Path) -> None:
     per_request = sum(len(line[sc.FIELD_REQUEST_IDS]) for line in steps)
     assert per_request == sum(len(o.acceptance_lengths) for o in result.outputs)
     assert max(line[sc.FIELD_TREE_NODES][0] for line in steps) > 64, "the trees are large"
+
+
+def test_an_adaptive_steps_width_and_gain_reach_the_exporter_process(tmp_path: Path) -> None:
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    telemetry = start_telemetry(logged(tmp_path))
+    engine = Engine(target, drafter, observer=telemetry.observer)
+    result = engine.generate(
+        random_prompts(0, 2, vocab=8), GenerationConfig(budget=8, adaptive=True, max_new_tokens=16)
+    )
+    telemetry.shutdown()
+    steps = [line for line in read_lines(tmp_path / "steps.jsonl") if line["event"] == sc.EVENT_STEP]
+    assert len(steps) == result.steps and all(s[sc.FIELD_PREDICTED_GAIN] >= 1.0 for s in steps)
+    widths = sorted({b for o in result.outputs for b in o.budgets})
+    assert sorted({s[sc.FIELD_BUDGET] for s in steps}) == widths  # each step's width, not the widest
+    assert all(sc.STAGE_DECIDE in s[sc.FIELD_STAGE_MS] for s in steps)
