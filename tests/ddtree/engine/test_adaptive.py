@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ddtree.adaptive import adaptive_widths
@@ -17,6 +18,7 @@ from ddtree.engine.requests import Request
 from ddtree.engine.session import DecodeSession
 from ddtree.schedule import ShapeSchedule
 from ddtree.settings import GenerationConfig
+from tests.ddtree.test_sampling import pooled_chisquare, target_probs
 from tests.helpers import random_prompts, shape_of, tiny_pair
 
 
@@ -194,3 +196,34 @@ def test_a_row_count_drafts_the_cap_whose_best_width_pays_most() -> None:
     later = out.budgets[RECALIBRATE_EVERY + 1 :]
     assert all(b <= 4 for i, b in enumerate(later, RECALIBRATE_EVERY + 1) if i % EXPLORE_EVERY)
     assert max(out.budgets[:RECALIBRATE_EVERY]) == 8  # the first steps draft the widest tree
+
+
+def test_sampling_at_random_widths_follows_the_targets_distribution() -> None:
+    """At T=1 with each step's width drawn at random, the first two tokens follow the target's own joint
+    distribution (chi-square, as `tests/ddtree/test_sampling.py` checks fixed trees)."""
+    vocab, prompt, draws = 8, [1, 2, 3], 3000
+    target, drafter = tiny_pair(11, vocab=vocab, block_size=4)
+    session = _session(target, drafter, 8, slots=draws)
+    assert session.adaptive is not None
+    session.adaptive.measured = True
+    rng = random.Random(5)
+    outs = _stream_all(session, [Request(prompt, 2, temperature=1.0, seed=i) for i in range(draws)], rng)
+    pairs = np.array([o.token_ids for o in outs])  # [draws, 2]
+    assert sum(a > 1 for o in outs for a in o.acceptance_lengths) > draws // 10, "drafts should be accepted"
+    p1 = target_probs(target, [prompt])[0]
+    joint = p1[:, None] * target_probs(target, [[*prompt, a] for a in range(vocab)])
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (pairs[:, 0], pairs[:, 1]), 1)
+    assert pooled_chisquare(counts.ravel(), joint.ravel()) > 1e-3
+    assert pooled_chisquare(counts.ravel(), np.full(vocab * vocab, 1 / vocab**2)) < 1e-3  # the test has power
+
+
+def _stream_all(session: DecodeSession, requests: list[Request], rng: random.Random) -> list[Any]:
+    """All `requests` joined at once, each step at a random width (0 to the widest)."""
+    slots = session.join(requests)
+    assert session.adaptive is not None
+    while session.has_active():
+        session.adaptive.forced = rng.randint(0, 8)
+        session.step()
+    session.drain()
+    return [session.leave(slot) for slot in slots]
