@@ -65,8 +65,8 @@ def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tenso
     the most predicted tokens per unit of time, and its predicted gain (tokens per time) over width 0's."""
     tokens = (active[:, None].float() * (1 + expected.float())).sum(dim=0)  # [K]
     rate = tokens / cost.float()  # [K]
-    best = rate.argmax()
-    gain = rate[best] / rate[0].clamp_min(1e-12)
+    most, best = rate.max(dim=0)  # no indexing by a device scalar: that would read it back (and break capture)
+    gain = most / rate[0].clamp_min(1e-12)
     return torch.stack([best.float(), gain])  # [2]
 
 
@@ -99,6 +99,7 @@ def decision(
     rows, and the raw prediction at each width summed over them (the row count's mean curve)."""
     chosen = choose_width(calibrated(expected, scale, widths), active, cost)  # [2]
     live = active.float()  # [n]
-    raw = (live * expected.float()[:, chosen[0].long()]).sum()
+    column = chosen[0].long().view(1, 1).expand(expected.shape[0], 1)  # [n, 1], on the device
+    raw = (live * expected.float().gather(1, column)[:, 0]).sum()
     curve = (live[:, None] * expected.float()).sum(dim=0)  # [K]
     return torch.cat([chosen, raw[None], live.sum()[None], curve])  # [4 + K]
