@@ -31,7 +31,7 @@ from ddtree.models.recurrent import (
     tree_conv,
     tree_windows,
 )
-from ddtree.models.target import HYBRID_MODEL_TYPES, Target, TokenOrder, attend
+from ddtree.models.target import COMPILED_SHAPES, HYBRID_MODEL_TYPES, Target, TokenOrder, attend
 
 LINEAR = "linear_attention"  # the recurrent layers' type in `config.layer_types` (GDN or Mamba2)
 MAMBA2_MODEL_TYPES = ("bamba",)
@@ -135,7 +135,7 @@ class HybridTarget(Target):
         the recurrent steps, the cache writes and attention stay eager."""
         import torch._dynamo
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
         self._compiled = HybridRegions.compiled(dynamic=False)
         self._compiled_any = HybridRegions.compiled(dynamic=True)
 

@@ -28,6 +28,9 @@ SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 # Vision-language checkpoints whose text model is a target (Qwen3.5 ships as these): their `text_config` is
 # the target's (checked as any other), and transformers loads the text model alone from them.
 MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# Shapes a compiled region may be compiled for before torch falls back to eager for new ones: an adaptive
+# session verifies every (rows, width) of its caps (7 row counts x 8 widths at 64 slots), besides the drafts.
+COMPILED_SHAPES = 256
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ class Target:
         Attention and the cache writes stay eager, so the compiled regions hold no in-place updates."""
         import torch._dynamo
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
         self._qkv = torch.compile(_qkv, dynamic=False)
         self._residual_mlp = torch.compile(residual_mlp, dynamic=False)
         # The prefill's shapes (requests joining, prompt bucket) are many and each rarely seen: one compile

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -141,7 +140,8 @@ def _switching(
 
 def _adaptive(eager: Engine, engine: Engine, prompts: list[list[int]], eos: tuple[int, ...], dtype: str) -> None:
     """Each step's width chosen by its own tree (`--budget adaptive`), graphed in a batch and streamed through 8
-    slots, and eager: greedy output is ar's; and seeded sampling, graphed, repeats itself."""
+    slots, and eager: greedy output is ar's. (Sampled tokens follow the widths chosen, which follow measured
+    times: sampling's exactness is tested in distribution, on the CPU.)"""
     ar = eager.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
     cfg = GenerationConfig(method="ddtree", budget=64, adaptive=True, max_new_tokens=64, eos_token_ids=eos)
     for name, out in (
@@ -152,10 +152,6 @@ def _adaptive(eager: Engine, engine: Engine, prompts: list[list[int]], eos: tupl
         same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
         widths = sorted({b for o in out for b in o.budgets})
         print(f"lossless {dtype} {name} adaptive<=64 (steps at widths {widths}): {same}/{len(prompts)} identical to ar")
-    hot = replace(cfg, temperature=0.8, seed=3)
-    first, again = engine.generate(prompts, hot).outputs, engine.generate(prompts, hot).outputs
-    same = sum(a.token_ids == b.token_ids and a.budgets == b.budgets for a, b in zip(first, again, strict=True))
-    print(f"sampled {dtype} graphed adaptive<=64 T=0.8: the same widths and tokens again on {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":
