@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -33,8 +35,8 @@ import numpy.typing as npt
 import torch
 
 from ddtree import observer as stages
-from ddtree.engine import step
-from ddtree.engine.adaptive import AdaptiveSteps, Observed, timed_steps
+from ddtree.engine import step, warmup
+from ddtree.engine.adaptive import AdaptiveSteps, Observed
 from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
 from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
 from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
@@ -52,7 +54,6 @@ from ddtree.engine.requests import (
     emit,
     round_up,
     row_bucket,
-    row_counts,
 )
 from ddtree.engine.step import Rows, StepModels, StepState
 from ddtree.kernels.clock import stamps_available
@@ -80,13 +81,6 @@ class _Launch:
     shape: TreeShape  # the tree it verified
     gain: float | None = None  # an adaptive step: the gain its width predicted over ar
     observed: Observed | None = None  # an adaptive step's own choice: its calibration's input (`observe`)
-
-
-# The kinds of step a batch can make (their graphs differ: `StepState`'s flags): greedy, sampled, sampled
-# with a filter, each with and without log-probabilities. A batch that mixes them steps as the widest.
-WARM_UP_KINDS: tuple[dict[str, Any], ...] = tuple(
-    {"temperature": t, "top_p": p, "logprobs": lp} for lp in (None, 0) for t, p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9))
-)
 
 
 class DecodeSession:
@@ -273,78 +267,34 @@ class DecodeSession:
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
         """Run dummy requests through every row count a step can have (1, 2, 4, ... slots), each with the
-        shape its steps take (a schedule's for that row count), in every kind of step a batch can make
-        (`WARM_UP_KINDS`: greedy, sampled, sampled with top-p, each with and without log-probabilities), so
-        that compiling and capturing happen now rather than in the first real requests' steps. The observer
-        sees none of it. Call it on an empty session."""
-        if self.free_slots() != list(range(self.num_slots)):
-            raise ValueError("warm_up needs an empty session")
-        observer, adaptive = self.observer, self.adaptive
-        pairs: list[tuple[int | None, int | None]] = [(None, None)] if adaptive is None else [*adaptive.pairs()]
-        if adaptive is not None:
-            adaptive.measured = True  # measured below, once every width's graphs are made
-        self._set_observer(NOOP)
-        try:
-            for kind in WARM_UP_KINDS:
-                for n in row_counts(self.num_slots):
-                    for cap, width in pairs:
-                        if adaptive is not None:
-                            adaptive.forced_cap, adaptive.forced = cap, width
-                        self._run_dummies(n, prompt_tokens, new_tokens, kind)
-        finally:
-            if adaptive is not None:
-                adaptive.forced_cap, adaptive.forced = None, None
-            self._set_observer(observer)
-        if adaptive is not None:
-            self.measure_costs()
+        shape its steps take (a schedule's for that row count; an adaptive session's every cap and width), in
+        every kind of step a batch can make (`ddtree.engine.warmup.WARM_UP_KINDS`), so that compiling and
+        capturing happen now rather than in the first real requests' steps; then an adaptive session measures
+        its costs. The observer sees none of it. Call it on an empty session."""
+        warmup.warm_up(self, prompt_tokens, new_tokens)
 
-    @torch.inference_mode()
     def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16) -> None:
-        """An adaptive session's cost model: the time of a greedy step of each width it chooses between, at
-        each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
+        """An adaptive session's cost model: the time of a greedy step of each (cap, width) it chooses between,
+        at each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
         replays). `join` runs it before the session's first request where it has not run. The observer sees
         none of it. Call it on an empty session."""
-        if self.adaptive is None:
-            raise ValueError("only an adaptive session chooses widths by their cost")
-        if self.free_slots() != list(range(self.num_slots)):
-            raise ValueError("measure_costs needs an empty session")
-        adaptive, observer = self.adaptive, self.observer
-        adaptive.measured = True  # its own joins do not measure again
+        warmup.measure_costs(self, repeats, prompt_tokens)
+
+    @contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """The observer sees nothing of the steps run inside (warm-up's and measuring's dummy requests)."""
+        observer = self.observer
         self._set_observer(NOOP)
         try:
-            for n in row_counts(self.num_slots):
-                for cap, width in adaptive.pairs():
-                    adaptive.forced_cap, adaptive.forced = cap, width
-                    adaptive.set_cost(n, cap, width, self._time_steps(n, repeats, prompt_tokens))
+            yield
         finally:
-            adaptive.forced_cap, adaptive.forced = None, None
             self._set_observer(observer)
-
-    def _time_steps(self, n: int, repeats: int, prompt_tokens: int) -> float:
-        """Seconds per step of `n` greedy dummy requests, after one untimed step."""
-        room = self.capacity - self.tokens_needed(prompt_tokens, 0)
-        new_tokens = max(1, min(room, (repeats + 1 + self.pipeline_depth) * self.proposer.block))
-        slots = self.join([Request([0] * prompt_tokens, new_tokens) for _ in range(n)])
-        self.step()
-        seconds = timed_steps(self.step, repeats, self.target.device)
-        self.drain()
-        for slot in slots:
-            self.leave(slot)
-        return seconds
 
     def _set_observer(self, observer: StepObserver) -> None:
         self.observer = observer
         adaptive = () if self.adaptive is None else self.adaptive.runners
         for runner in (*self.runners.values(), *adaptive):
             runner.observer = observer
-
-    def _run_dummies(self, n: int, prompt_tokens: int, new_tokens: int, kind: dict[str, Any]) -> None:
-        slots = self.join([Request([0] * prompt_tokens, new_tokens, **kind) for _ in range(n)])
-        while self.has_active():
-            self.step()
-        self.drain()
-        for slot in slots:
-            self.leave(slot)
 
     def leave(self, slot: int, reason: str = "cancelled") -> RequestOutput:
         """Free `slot` and return its request's output. `reason` is the finish reason telemetry reports for a
