@@ -11,7 +11,8 @@ first part's captured state, so a replay of both reads what the first replay wro
 
 The tree a step drafts is its row count's cap (`ddtree.adaptive.adaptive_caps`: 4, 8 and the maximum), each cap
 with its own pair of runners (`CapSteps`) and its own measured step time at each of its widths and row counts
-(`DecodeSession.measure_costs`, on this device and dtype, before the first request). Every
+(`DecodeSession.measure_costs`, on this device and dtype, before the first request), which each steady step
+of the session's own choice then moves toward what it took (`AdaptiveSteps.timed`). Every
 `RECALIBRATE_EVERY` steps at a row count its cap is the one whose best width is predicted to pay most for the
 row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
 the widest tree, so the curve's wide widths stay current.
@@ -44,6 +45,8 @@ from ddtree.observer import StepObserver
 
 Key = tuple[Any, ...]
 RECALIBRATE_EVERY = 16  # steps between two updates of the calibration scales and of a row count's cap
+COST_WEIGHT = 0.1  # how far a step's measured time moves its (rows, cap, width) cost toward it
+COST_RANGE = (0.5, 3.0)  # a step time outside these multiples of its cost is an outlier (a join, a capture)
 EXPLORE_EVERY = 64  # every this many steps at a row count, one drafts the widest tree whatever the cap
 
 
@@ -52,6 +55,7 @@ class Observed:
     """What a step's decision said, for the calibration once its tokens are read."""
 
     rows: int  # the step's row count
+    cap: int  # the tree it drafted
     index: int  # the chosen width's index
     raw: float  # the raw prediction at that width, summed over the active rows
     active: float  # rows decoding
@@ -153,6 +157,11 @@ class AdaptiveSteps:
         self.steps_at[rows] += 1
         return cap.run(key, make, self.forced)
 
+    def timed(self, seen: Observed, seconds: float) -> None:
+        """A steady step of the session's own choice took `seconds` (from the end of the step before to its
+        end): its (rows, cap, width) cost moves toward it, so the costs follow what real steps take."""
+        self.caps[seen.cap].retime(seen.rows, seen.index, seconds)
+
     def observe(self, seen: Observed, accepted: int) -> None:
         """A step's decision against the drafts its rows then accepted; every `RECALIBRATE_EVERY` steps at its
         row count, that row count's cap chosen again."""
@@ -232,6 +241,15 @@ class CapSteps:
         self.cost(rows)[index] = seconds
         self.seconds.setdefault(rows, [1.0] * len(self.widths))[index] = seconds
 
+    def retime(self, rows: int, index: int, seconds: float) -> None:
+        """`AdaptiveSteps.timed`: an outlier (outside `COST_RANGE` of the cost) is left out."""
+        measured = self.seconds.get(rows)
+        if measured is None:
+            return
+        cost = measured[index]
+        if COST_RANGE[0] * cost <= seconds <= COST_RANGE[1] * cost:
+            self.set_cost(rows, self.widths[index], cost + COST_WEIGHT * (seconds - cost))
+
     def run(
         self, key: Key, make: Callable[..., StepState], forced: int | None
     ) -> tuple[StepState, TreeShape, float, Observed | None]:
@@ -246,7 +264,7 @@ class CapSteps:
             self._decided = self._read(first)
         index, gain, raw, active, *curve = self._decided
         index = int(index)
-        seen = None if forced is not None else Observed(n, index, raw, active, curve)
+        seen = None if forced is not None else Observed(n, self.shape.budget, index, raw, active, curve)
         width = self.widths[index] if forced is None else forced
         captured = self.first.captured_state(key) or first
         second = self.second.run(

@@ -22,6 +22,7 @@ a request's settings (temperature, top-p, top-k, seed) sit in per-slot tensors, 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -172,6 +173,7 @@ class DecodeSession:
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self._readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[_Launch] = deque()
+        self._last_finish: float | None = None  # when the last step's tokens were read (None: a join since)
         self._views: dict[int, Rows] = {}
         if self.probed:
             observer.on_session(stamped)
@@ -246,6 +248,7 @@ class DecodeSession:
         Without pipelining nothing is in flight, and the first tokens are read at once."""
         if self.adaptive is not None and not self.adaptive.measured:
             self.measure_costs()
+        self._last_finish = None  # the step that ends next carries the prefill: not a steady step
         free = self.free_slots()
         if len(requests) > len(free):
             raise ValueError(f"{len(requests)} requests but only {len(free)} free slots")
@@ -405,6 +408,9 @@ class DecodeSession:
         if self.adaptive is not None and launch.observed is not None:  # the rows decoding when it launched
             accepted = sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s))
             self.adaptive.observe(launch.observed, accepted)
+            if self._last_finish is not None:
+                self.adaptive.timed(launch.observed, time.perf_counter() - self._last_finish)
+        self._last_finish = time.perf_counter()
         emitted = self._commit(host, scores, launch)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))

@@ -11,7 +11,7 @@ import pytest
 
 from ddtree.adaptive import adaptive_widths
 from ddtree.engine import graphs
-from ddtree.engine.adaptive import EXPLORE_EVERY, RECALIBRATE_EVERY
+from ddtree.engine.adaptive import COST_WEIGHT, EXPLORE_EVERY, RECALIBRATE_EVERY, Observed
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
 from ddtree.engine.requests import Request
@@ -227,3 +227,17 @@ def _stream_all(session: DecodeSession, requests: list[Request], rng: random.Ran
         session.step()
     session.drain()
     return [session.leave(slot) for slot in slots]
+
+
+def test_a_steady_steps_time_moves_its_cost_and_an_outlier_does_not() -> None:
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    session = _session(target, drafter, 8, slots=1)
+    adaptive = session.adaptive
+    assert adaptive is not None
+    adaptive.set_cost(1, 8, 4, 1.0)
+    seen = Observed(rows=1, cap=8, index=adaptive.caps[8].widths.index(4), raw=1.0, active=1.0, curve=[0.0] * 5)
+    adaptive.timed(seen, 2.0)
+    assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
+    assert adaptive.caps[8].costs[1][seen.index].item() == pytest.approx(1.0 + COST_WEIGHT)  # the device's too
+    adaptive.timed(seen, 50.0)  # a step that carried a join's prefill or a capture
+    assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
