@@ -25,7 +25,6 @@ steps (one small copy, in stream order).
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,11 +109,10 @@ class AdaptiveSteps:
     ) -> None:
         self.widths = adaptive_widths(shape.budget)
         self.calibration = Calibration(self.widths, models(shape).target.device)
-        method = get_method(shape.method)
         self.caps = {
-            c: CapSteps(models(cap_shape), cap_shape, self.calibration, observer, cuda_graphs, show_tree)
+            c: CapSteps(models(tree), tree, self.calibration, observer, cuda_graphs, show_tree)
             for c in adaptive_caps(shape.budget)
-            for cap_shape in [shape if c == shape.budget else TreeShape(shape.method, c, shape.topk, method.label(c))]
+            for tree in [width_shape(shape, c)]
         }
         self.widest = shape.budget
         self.cap_of: dict[int, int] = {}  # row count -> its cap (the widest until chosen)
@@ -122,11 +120,6 @@ class AdaptiveSteps:
         self.measured = False
         self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
         self.forced_cap: int | None = None  # the cap it drafts (None: the widest)
-
-    @property
-    def shapes(self) -> list[TreeShape]:
-        """The trees the caps draft (each needs a proposer)."""
-        return [c.shape for c in self.caps.values()]
 
     @property
     def runners(self) -> list[StepRunner[StepState]]:
@@ -189,11 +182,7 @@ class CapSteps:
         self.widths = adaptive_widths(shape.budget)
         self.device = models.target.device
         self.widths_t = torch.tensor(self.widths, dtype=torch.long, device=self.device)  # [K]
-        method = get_method(shape.method)
-        self.shapes = {
-            w: TreeShape("ar", 0, None, "ar") if w == 0 else TreeShape(shape.method, w, shape.topk, method.label(w))
-            for w in self.widths
-        }
+        self.trees = {w: width_shape(shape, w) for w in self.widths}  # what a step of each width verifies
         self.costs: dict[int, torch.Tensor] = {}  # row count -> [K] seconds per step
         self.seconds: dict[int, list[float]] = {}  # the same, on the host
         self.scale = calibration.scale[: len(self.widths)]  # [K] a view: the calibration's updates reach it
@@ -272,7 +261,7 @@ class CapSteps:
             lambda: make(source=first, width=width),
             lambda: make(source=captured, width=width),
         )
-        return second, self.shapes.get(width) or self._shape(width), gain, seen
+        return second, self.trees.get(width) or width_shape(self.shape, width), gain, seen
 
     def _after_first(self, stage: str, state: StepState) -> None:
         self._show_tree(stage, state)
@@ -283,23 +272,12 @@ class CapSteps:
         row, *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 4 + K]
         return [float(v) for v in row]
 
-    def _shape(self, width: int) -> TreeShape:
-        """The tree of a forced width that is none of the chosen ones (tests)."""
-        return TreeShape(self.shape.method, width, self.shape.topk, get_method(self.shape.method).label(width))
+
+def width_shape(shape: TreeShape, width: int) -> TreeShape:
+    """`shape`'s tree cut to its first `width` draft nodes, as its method resolves one (`ar`'s at width 0)."""
+    method = get_method("ar" if width == 0 else shape.method)
+    return method.shape(width, shape.topk if width else None, depth=width)  # depth: for chains only
 
 
 def _nothing(state: StepState) -> None:
     pass
-
-
-def timed_steps(run: Callable[[], object], steps: int, device: torch.device) -> float:
-    """Seconds per call of `run` over `steps` calls, the device drained before and after."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(steps):
-        run()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / steps

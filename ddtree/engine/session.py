@@ -405,15 +405,21 @@ class DecodeSession:
     def _finish(self, launch: _Launch) -> list[int]:
         host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
         self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
-        if self.adaptive is not None and launch.observed is not None:  # the rows decoding when it launched
-            accepted = sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s))
-            self.adaptive.observe(launch.observed, accepted)
-            if self._last_finish is not None:
-                self.adaptive.timed(launch.observed, time.perf_counter() - self._last_finish)
-        self._last_finish = time.perf_counter()
+        if self.adaptive is not None:
+            self._adapt(self.adaptive, launch, host)
         emitted = self._commit(host, scores, launch)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
+
+    def _adapt(self, adaptive: AdaptiveSteps, launch: _Launch, host: list[list[int]]) -> None:
+        """An adaptive step of the session's own choice, read: its prediction against the drafts its rows (those
+        decoding when it launched) accepted, and the time since the last step was read (none since a join)."""
+        now, seen = time.perf_counter(), launch.observed
+        if seen is not None:
+            adaptive.observe(seen, sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s)))
+            if self._last_finish is not None:
+                adaptive.timed(seen, now - self._last_finish)
+        self._last_finish = now
 
     def _read(self, launch: _Launch) -> tuple[list[list[int]], Scores | None]:
         """The step's token rows and, where asked for, its log-probability columns and their layout, after an

@@ -3,11 +3,12 @@ first real request, and an adaptive session's measure of what each (cap, width) 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddtree.engine.adaptive import timed_steps
 from ddtree.engine.requests import Request, row_counts
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def warm_up(session: DecodeSession, prompt_tokens: int, new_tokens: int) -> None
             if adaptive is not None:
                 adaptive.forced_cap, adaptive.forced = None, None
     if adaptive is not None:
-        measure_costs(session, 6, prompt_tokens)
+        session.measure_costs(prompt_tokens=prompt_tokens)
 
 
 @torch.inference_mode()
@@ -73,6 +74,19 @@ def _time_steps(session: DecodeSession, n: int, repeats: int, prompt_tokens: int
     for slot in slots:
         session.leave(slot)
     return seconds
+
+
+def timed_steps(run: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Seconds per call of `run` over `steps` calls, the device drained before and after."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        run()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps
 
 
 def _run_dummies(session: DecodeSession, n: int, prompt_tokens: int, new_tokens: int, kind: dict[str, Any]) -> None:

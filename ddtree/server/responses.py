@@ -43,16 +43,17 @@ def ddtree_block(
     histogram = [0] * max(lengths, default=0)
     for length in lengths:
         histogram[length - 1] += 1
+    adaptive, switching = step_gains is not None, step_budgets is not None
     block: dict[str, Any] = {
         "method": method,
-        "budget": budget if step_budgets is None else AUTO,
-        "topk": topk if step_budgets is None else None,
+        "budget": ADAPTIVE if adaptive else AUTO if switching else budget,
+        "topk": topk if adaptive or not switching else None,
         "steps": len(lengths),
         "mean_acceptance_length": mean_acceptance_length(lengths),
         "acceptance_histogram": histogram,
     }
     if step_gains is not None:
-        block.update(budget=ADAPTIVE, max_budget=budget, topk=topk)
+        block["max_budget"] = budget
         block["step_gains"] = [round(g, 4) for g in step_gains]
     if step_budgets is not None:
         block["step_budgets"] = step_budgets
