@@ -11,8 +11,9 @@ generator is not what caps the server (its own ceiling: `benchmarks/stub_server.
 once, and the README's numbers). Reported: requests/s and output tokens/s over the wall time, TTFT (request
 sent to first text chunk), ITL (gaps between text chunks; a ddtree step can carry several tokens in one
 chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)), as p50/p99. Tokens are the server's `usage`.
-With the server's `/metrics`, also its own mean TTFT (handler start to first token) and queue time (submitted
-to joined a slot) over the load: what of a client's TTFT the server spent.
+With the server's `/metrics`, also its own mean TTFT (handler start to first token), queue time (submitted
+to joined a slot) and prefill time (joined to the first token handed over) over the load: what of a client's
+TTFT the server spent, and where (TTFT less queue and prefill: the API process and the transport).
 `--spawn` starts `ddtree serve` itself for each `--method` or `--serve LABEL=ARGS` (on a free port), waits
 for /health, runs each load of `--clients` (a comma-separated list: one load after the other on the same
 server, whose slots are the largest load's), then stops it with SIGTERM. With several servers each load's
@@ -155,6 +156,7 @@ DEFAULT_REQUESTS = 32
 SERVER_TIMES = {  # the server's own histograms (their means over a load): where a client's TTFT goes
     "server_ttft_mean_ms": sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS,  # handler start to first token
     "server_queue_mean_ms": sc.PROM_REQUEST_QUEUE_TIME_SECONDS,  # engine: submitted to joined a slot
+    "server_prefill_mean_ms": sc.PROM_REQUEST_PREFILL_TIME_SECONDS,  # engine: joined to the first token handed over
 }
 
 
@@ -258,7 +260,8 @@ def report(label: str, stats: dict[str, Any], baseline: dict[str, Any] | None = 
     server = ""
     if "server_ttft_mean_ms" in stats:
         ttft, queue = stats["server_ttft_mean_ms"], stats["server_queue_mean_ms"]
-        server = f" | server: TTFT mean {ttft:.1f} ms, queue {queue:.1f} ms"
+        prefill = stats.get("server_prefill_mean_ms", float("nan"))
+        server = f" | server: TTFT mean {ttft:.1f} ms, queue {queue:.1f} ms, prefill {prefill:.1f} ms"
     print(
         f"{label}, {stats['clients']} clients{versus}: {stats['requests']:.0f} requests ({stats['failed']:.0f} "
         f"failed), {stats['tokens']:.0f} output "

@@ -143,6 +143,7 @@ PROM_PROMPT_TOKENS_TOTAL: Final = "ddtree_prompt_tokens_total"  # vllm:prompt_to
 PROM_GENERATION_TOKENS_TOTAL: Final = "ddtree_generation_tokens_total"  # vllm:generation_tokens_total
 PROM_REQUEST_SUCCESS_TOTAL: Final = "ddtree_request_success_total"  # vllm:request_success_total{finished_reason}
 PROM_REQUEST_QUEUE_TIME_SECONDS: Final = "ddtree_request_queue_time_seconds"  # vllm:request_queue_time_seconds
+PROM_REQUEST_PREFILL_TIME_SECONDS: Final = "ddtree_request_prefill_time_seconds"  # vllm:request_prefill_time_seconds
 # Speculative decoding, always on, from the acceptance lengths and budgets each request is handed (by method
 # and model; vLLM's counterpart after each). A draft is one request's tree in one decode step.
 PROM_SPEC_DRAFTS_TOTAL: Final = "ddtree_spec_decode_drafts_total"  # vllm:spec_decode_num_drafts; + budget

@@ -361,7 +361,7 @@ def _ended(generation: Generation) -> None:
     """The response has ended: meter the request (its finish reason: an error, or abort where it ended early)."""
     reason = generation.finish_reason or (sc.FINISHED_ERROR if generation.failed else sc.FINISHED_ABORT)
     job = generation.job
-    queued = (job.queued_at, job.joined_at)
+    queued = (job.queued_at, job.joined_at, job.first_at)
     generation.meter.end(reason, generation.completion_tokens, generation.acceptance_lengths, queued)
 
 

@@ -130,8 +130,10 @@ class EngineClient:
         job = self._jobs.get(out.rid)
         if job is None or job.cancelled:
             return
-        if out.queue_seconds is not None:  # the engine's queue time, in the handler's terms
+        if out.queue_seconds is not None:  # the engine's queue and prefill times, in the handler's terms
             job.queued_at, job.joined_at = 0.0, out.queue_seconds
+        if out.prefill_seconds is not None and job.joined_at is not None:
+            job.first_at = job.joined_at + out.prefill_seconds
         if out.finish_reason is not None or out.error is not None:
             self._forget(out.rid)
         job.deliver(

@@ -54,6 +54,7 @@ class _Entry:
     rid: int
     job: Job
     first: bool = True  # no update sent yet: the next carries the queue time
+    prefilled: bool = False  # the prefill time is sent (with the update of the first token)
 
 
 class EngineCore:
@@ -190,12 +191,14 @@ class EngineCore:
 
 
 def _out(entry: _Entry, update: Update) -> tp.Out:
-    queued = None
+    job, queued, prefill = entry.job, None, None
     if entry.first:
         entry.first = False
-        job = entry.job
         if job.queued_at is not None and job.joined_at is not None:
             queued = max(job.joined_at - job.queued_at, 0.0)
+    if not entry.prefilled and job.first_at is not None and job.joined_at is not None:
+        entry.prefilled = True
+        prefill = max(job.first_at - job.joined_at, 0.0)
     return tp.Out(
         entry.rid,
         update.token_ids,
@@ -206,6 +209,7 @@ def _out(entry: _Entry, update: Update) -> tp.Out:
         update.error,
         queued,
         update.gains,
+        prefill,
     )
 
 

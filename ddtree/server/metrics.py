@@ -13,6 +13,9 @@ Per generation request, labelled with OTel GenAI's attributes (`gen_ai_operation
 - `gen_ai_server_time_per_output_token_seconds`: per request of two or more tokens, the time after the first
   token over the tokens after it.
 - `ddtree_request_queue_time_seconds`: from `submit` to the decode thread taking the request into a slot.
+- `ddtree_request_prefill_time_seconds`: from taking it into a slot to handing over its first token (the
+  prefill, and in a pipelined session the step whose readback carries that token). TTFT less queue and prefill
+  time is the API process's and the transport's share.
 - `ddtree_prompt_tokens_total` (at the first token: the prompt was prefilled), `ddtree_generation_tokens_total`
   (as tokens arrive; the response's `usage` once it ends), `ddtree_request_success_total{finished_reason}`
   (stop, length, abort: the client went away or the job was cancelled, error: the generation failed).
@@ -244,6 +247,13 @@ class ServerMetrics:
             buckets=sc.QUEUE_TIME_BUCKETS,
             registry=registry,
         )
+        self.prefill_time = Histogram(
+            sc.PROM_REQUEST_PREFILL_TIME_SECONDS,
+            "Time from joining the decode session to handing over the first token (the prefill and its readback)",
+            gen_ai,
+            buckets=sc.QUEUE_TIME_BUCKETS,
+            registry=registry,
+        )
         self.generated = Counter(
             sc.PROM_GENERATED_TOKENS_TOTAL, "Completion tokens returned", [sc.LABEL_ENDPOINT], registry=registry
         )
@@ -332,10 +342,15 @@ class RequestMeter:
         self.metrics.took(self.labels, tokens, lengths, budgets)
 
     def end(
-        self, finished_reason: str, tokens: int, lengths: list[int], queued: tuple[float | None, float | None]
+        self,
+        finished_reason: str,
+        tokens: int,
+        lengths: list[int],
+        queued: tuple[float | None, float | None, float | None],
     ) -> None:
         """The response ended (once; later calls do nothing): `tokens` completion tokens in all, every step's
-        acceptance length, and (queued_at, joined_at) of its job where it was queued and joined."""
+        acceptance length, and (queued_at, joined_at, first_at) of its job where it was queued, joined and
+        handed its first token."""
         if self.ended:
             return
         self.ended = True
@@ -344,9 +359,11 @@ class RequestMeter:
         metrics.success.labels(*labels, finished_reason).inc()
         metrics.request_duration.labels(*labels).observe(now - self.arrived)
         metrics.speculation.request_done(lengths)
-        queued_at, joined_at = queued
+        queued_at, joined_at, first_at = queued
         if queued_at is not None and joined_at is not None:
             metrics.queue_time.labels(*labels).observe(max(joined_at - queued_at, 0.0))
+        if joined_at is not None and first_at is not None:
+            metrics.prefill_time.labels(*labels).observe(max(first_at - joined_at, 0.0))
         if tokens > 1 and self.first_token_at is not None:
             per_token = (now - self.first_token_at) / (tokens - 1)
             metrics.per_token.labels(self.endpoint, *labels).observe(per_token)

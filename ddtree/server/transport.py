@@ -51,7 +51,8 @@ class Stop(msgspec.Struct, tag="stop"):
 
 
 class Out(msgspec.Struct, array_like=True):
-    """One request's share of a round (`ddtree.server.worker.Update`, plus its queue time with the first)."""
+    """One request's share of a round (`ddtree.server.worker.Update`, plus its queue and prefill times with the
+    first that carries them)."""
 
     rid: int
     token_ids: list[int]
@@ -62,6 +63,7 @@ class Out(msgspec.Struct, array_like=True):
     error: str | None = None
     queue_seconds: float | None = None  # with the request's first update: from submit to joining a slot
     gains: list[float] = []  # per adaptive decode step: its predicted gain over ar
+    prefill_seconds: float | None = None  # with the request's first tokens: from joining a slot to handing them over
 
 
 class Status(msgspec.Struct, tag="status"):

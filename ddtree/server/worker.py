@@ -4,7 +4,8 @@
   once. The job's `deliver` callback is how the thread hands back `Update`s; the app's callback posts them
   to the request's asyncio queue with `loop.call_soon_threadsafe`, so the thread never waits on a handler.
   `submit` stamps the job's `queued_at`, and the thread its `joined_at` as it takes the job into a slot
-  (before the prefill): the handler's queue time.
+  (before the prefill): the handler's queue time; and its `first_at` as it hands over the first token: the
+  prefill's time, up to the step whose readback carried it.
 - Between steps the thread leaves cancelled slots, joins waiting jobs into free slots (continuous batching:
   a request that arrives mid-generation joins at the next step boundary), steps while a slot is active,
   delivers each request its new tokens and acceptance lengths, and leaves finished slots. `delivered` runs
@@ -73,6 +74,7 @@ class Job:
     cancel_reason: str = "cancelled"  # the finish reason telemetry reports when it leaves early ("stop": a stop string)
     queued_at: float | None = None  # perf_counter time of `submit`
     joined_at: float | None = None  # perf_counter time the decode thread took it into a slot
+    first_at: float | None = None  # perf_counter time the decode thread handed over its first token
 
 
 @dataclass
@@ -267,6 +269,8 @@ class DecodeWorker:
             budgets, gains = out.budgets[run.steps :], out.gains[run.steps :]
             scores = list(zip(out.logprobs[run.tokens :], out.top_logprobs[run.tokens :], strict=True))
             run.tokens, run.steps = len(out.token_ids), len(out.acceptance_lengths)
+            if tokens and run.job.first_at is None:
+                run.job.first_at = time.perf_counter()
             if out.finished:
                 session.leave(slot)
                 self._forget(slot)

@@ -132,7 +132,11 @@ def _check_requests(samples: Samples, answers: list[dict[str, Any]], served: Ser
         reasons = Counter(a["finish"] for a in mine)
         for reason in sc.FINISHED_REASONS:
             assert total(samples, sc.PROM_REQUEST_SUCCESS_TOTAL, **labels, finished_reason=reason) == reasons[reason]
-        for histogram in (sc.PROM_REQUEST_DURATION_SECONDS, sc.PROM_REQUEST_QUEUE_TIME_SECONDS):
+        for histogram in (
+            sc.PROM_REQUEST_DURATION_SECONDS,
+            sc.PROM_REQUEST_QUEUE_TIME_SECONDS,
+            sc.PROM_REQUEST_PREFILL_TIME_SECONDS,
+        ):
             assert total(samples, f"{histogram}_count", **labels) == len(mine), histogram
         assert total(samples, f"{sc.PROM_TIME_TO_FIRST_TOKEN_SECONDS}_count", **labels) == len(mine)
         longer = sum(a["usage"]["completion_tokens"] > 1 for a in mine)

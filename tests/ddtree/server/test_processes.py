@@ -89,6 +89,9 @@ def test_metrics_sum_every_api_process_at_once(two_apis: ServeProcess) -> None:
         )
         drafts = _total(after, sc.PROM_SPEC_DRAFTS_TOTAL) - _total(before, sc.PROM_SPEC_DRAFTS_TOTAL)
         assert drafts == steps
+        for timed in (sc.PROM_REQUEST_QUEUE_TIME_SECONDS, sc.PROM_REQUEST_PREFILL_TIME_SECONDS):  # the engine's times
+            count = f"{timed}_count"
+            assert _total(after, count) - _total(before, count) == len(bodies), timed
         assert after[(sc.PROM_SLOTS, ())] == 4
 
 
