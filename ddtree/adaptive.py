@@ -61,13 +61,14 @@ def calibration_scale(accepted: Sequence[float], predicted: Sequence[float], pri
 
 def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
     """`expected` [n, K] accepted drafts per row and width (width 0, `ar`, first), `active` [n] bool (rows still
-    decoding), `cost` [K] a step's time at each width for these rows -> [2] float32: the index of the width with
-    the most predicted tokens per unit of time, and its predicted gain (tokens per time) over width 0's."""
+    decoding), `cost` [K] a step's time at each width for these rows -> [2 + K] float32: the index of the width
+    with the most predicted tokens per unit of time, its predicted gain (tokens per time) over width 0's, and
+    every width's predicted gain over width 0's."""
     tokens = (active[:, None].float() * (1 + expected.float())).sum(dim=0)  # [K]
     rate = tokens / cost.float()  # [K]
     most, best = rate.max(dim=0)  # no indexing by a device scalar: that would read it back (and break capture)
-    gain = most / rate[0].clamp_min(1e-12)
-    return torch.stack([best.float(), gain])  # [2]
+    gains = rate / rate[0].clamp_min(1e-12)  # [K]
+    return torch.cat([torch.stack([best.float(), most / rate[0].clamp_min(1e-12)]), gains])  # [2 + K]
 
 
 def adaptive_caps(budget: int) -> tuple[int, ...]:
@@ -94,12 +95,13 @@ def decision(
     expected: torch.Tensor, scale: torch.Tensor, widths: torch.Tensor, active: torch.Tensor, cost: torch.Tensor
 ) -> torch.Tensor:
     """The step's choice from its raw predictions `expected` [n, K]: `choose_width` on the calibrated ones ->
-    [4 + K] float32: the width's index, its predicted gain, the raw prediction at that width summed over the
+    [4 + 2K] float32: the width's index, its predicted gain, the raw prediction at that width summed over the
     active rows (what the session's calibration sets against the drafts the target then accepts), the active
-    rows, and the raw prediction at each width summed over them (the row count's mean curve)."""
-    chosen = choose_width(calibrated(expected, scale, widths), active, cost)  # [2]
+    rows, the raw prediction at each width summed over them (the row count's mean curve), and each width's
+    predicted gain (for a step that runs a width it did not wait to choose)."""
+    chosen = choose_width(calibrated(expected, scale, widths), active, cost)  # [2 + K]
     live = active.float()  # [n]
     column = chosen[0].long().view(1, 1).expand(expected.shape[0], 1)  # [n, 1], on the device
     raw = (live * expected.float().gather(1, column)[:, 0]).sum()
     curve = (live[:, None] * expected.float()).sum(dim=0)  # [K]
-    return torch.cat([chosen, raw[None], live.sum()[None], curve])  # [4 + K]
+    return torch.cat([chosen[:2], raw[None], live.sum()[None], curve, chosen[2:]])  # [4 + 2K]

@@ -119,8 +119,9 @@ class StepObserver(Protocol):
         verifies, where the loop knows it (a session whose budget follows the load changes it between steps)."""
 
     def on_width(self, step: int, shape: TreeShape, gain: float) -> None:
-        """An adaptive step chose the tree it verifies, `shape` (the `ar` shape: no drafts), predicting `gain`
-        times the tokens per second of an `ar` step; after its stages, before its tokens are read."""
+        """An adaptive step verified `shape`'s tree (the `ar` shape: no drafts), predicted to make `gain` times
+        the tokens per second of an `ar` step; once its decision is read (with its tokens, where the step did
+        not wait for it), before `on_accept`."""
 
     def on_stage_start(self, stage: str) -> None:
         """A stage (`STAGES`) begins: right after the step began or the previous stage

@@ -17,6 +17,11 @@ of the session's own choice then moves toward what it took (`AdaptiveSteps.timed
 row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
 the widest tree, so the curve's wide widths stay current.
 
+Where every step of a window of `RECALIBRATE_EVERY` at a row count chose the same width, the next steps there
+run that width without waiting for their decision (committed): the decision is still made on the device and
+read with the step's tokens (`Decision`), and the first that chooses otherwise ends the commitment. The host
+then waits only where the choice varies, the one thing the wait buys.
+
 The prediction is calibrated as the session goes (`Calibration`): per width, the drafts the target accepted
 over what the drafter predicted, summed over the request steps that ran that width and shrunk toward all
 widths' ratio (`ddtree.adaptive.calibration_scale`); the scales go to the device every `RECALIBRATE_EVERY`
@@ -47,6 +52,7 @@ RECALIBRATE_EVERY = 16  # steps between two updates of the calibration scales an
 COST_WEIGHT = 0.1  # how far a step's measured time moves its (rows, cap, width) cost toward it
 COST_RANGE = (0.5, 3.0)  # a step time outside these multiples of its cost is an outlier (a join, a capture)
 EXPLORE_EVERY = 64  # every this many steps at a row count, one drafts the widest tree whatever the cap
+UNREAD_BUFFERS = 4  # committed steps' decisions on their way to the host at once (at most the pipeline's depth)
 
 
 @dataclass(frozen=True)
@@ -55,10 +61,45 @@ class Observed:
 
     rows: int  # the step's row count
     cap: int  # the tree it drafted
-    index: int  # the chosen width's index
+    index: int  # the index of the width it ran
     raw: float  # the raw prediction at that width, summed over the active rows
     active: float  # rows decoding
     curve: list[float]  # the raw prediction at each of the cap's widths, summed over the active rows
+    chose: int = -1  # the index of the width its decision chose (the one it ran unless committed)
+
+
+@dataclass
+class Decision:
+    """A step's decision (`ddtree.adaptive.decision`'s values), read at once or on its way to the host with the
+    step's tokens (`ticket` of `reader`): a committed step ran `width` without waiting for it."""
+
+    rows: int
+    cap: int
+    widths: tuple[int, ...]  # the cap's
+    width: int  # the width the step ran
+    own: bool  # the session's own choice or commitment (not a forced width): the calibration takes it
+    values: list[float] | None = None
+    reader: Readback | None = None
+    ticket: Any = None
+
+    def read(self) -> tuple[Observed | None, float]:
+        """What the calibration takes (None for a forced width) and the gain the step's width was predicted."""
+        if self.values is None:
+            assert self.reader is not None
+            self.values = [float(v) for v in self.reader.wait(self.ticket)[0]]
+        chose, gain, _, active, *rest = self.values
+        k = len(self.widths)
+        curve, gains = rest[:k], rest[k:]
+        if self.width not in self.widths:  # a forced width between the cap's
+            return None, gain
+        index = self.widths.index(self.width)
+        seen = Observed(self.rows, self.cap, index, curve[index], active, curve, int(chose)) if self.own else None
+        return seen, gains[index]
+
+    @property
+    def waited(self) -> bool:
+        """The host waited for it before the step's second part (not committed): the step's time is its cost's."""
+        return self.reader is None
 
 
 class Calibration:
@@ -120,6 +161,9 @@ class AdaptiveSteps:
         self.measured = False
         self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
         self.forced_cap: int | None = None  # the cap it drafts (None: the widest)
+        self.committed: dict[int, tuple[int, int]] = {}  # row count -> (cap, width) its steps run unread
+        self._chosen: dict[int, set[int]] = defaultdict(set)  # row count -> widths chosen in its window
+        self._observed: dict[int, int] = defaultdict(int)  # row count -> decisions observed
 
     @property
     def runners(self) -> list[StepRunner[StepState]]:
@@ -143,12 +187,14 @@ class AdaptiveSteps:
     def is_new(self, key: Key) -> bool:
         return self.caps[self.cap(key[0])].first.is_new(key)
 
-    def run(self, key: Key, make: Callable[..., StepState]) -> tuple[StepState, TreeShape, float, Observed | None]:
-        """One step on its row count's cap (`CapSteps.run`)."""
+    def run(self, key: Key, make: Callable[..., StepState]) -> tuple[StepState, TreeShape, Decision]:
+        """One step on its row count's cap (`CapSteps.run`), committed where the row count is."""
         rows = key[0]
-        cap = self.caps[self.cap(rows)]
+        cap = self.cap(rows)
         self.steps_at[rows] += 1
-        return cap.run(key, make, self.forced)
+        committed = self.committed.get(rows)
+        unread = committed[1] if committed is not None and committed[0] == cap and self.forced is None else None
+        return self.caps[cap].run(key, make, self.forced, unread)
 
     def timed(self, seen: Observed, seconds: float) -> None:
         """A steady step of the session's own choice took `seconds` (from the end of the step before to its
@@ -156,13 +202,29 @@ class AdaptiveSteps:
         self.caps[seen.cap].retime(seen.rows, seen.index, seconds)
 
     def observe(self, seen: Observed, accepted: int) -> None:
-        """A step's decision against the drafts its rows then accepted; every `RECALIBRATE_EVERY` steps at its
-        row count, that row count's cap chosen again."""
+        """A step's decision against the drafts its rows then accepted. A decision that chose otherwise than its
+        row count's commitment ends it; every `RECALIBRATE_EVERY` steps at a row count, its cap is chosen
+        again, and where every decision of the window chose one width (of the cap it keeps), its steps commit
+        to it."""
         self.calibration.observe(seen, accepted)
-        if self.steps_at[seen.rows] % RECALIBRATE_EVERY == 0 and len(self.caps) > 1:
-            costs = {c: steps.seconds[seen.rows] for c, steps in self.caps.items() if seen.rows in steps.seconds}
+        rows, chose = seen.rows, self.caps[seen.cap].widths[seen.chose]
+        committed = self.committed.get(rows)
+        if committed is not None and committed != (seen.cap, chose) and seen.cap == committed[0]:
+            del self.committed[rows]
+        self._chosen[rows].add(chose)
+        self._observed[rows] += 1
+        if self._observed[rows] % RECALIBRATE_EVERY:
+            return
+        cap = self.cap_of.get(rows, self.widest)
+        if len(self.caps) > 1:
+            costs = {c: steps.seconds[rows] for c, steps in self.caps.items() if rows in steps.seconds}
             if len(costs) == len(self.caps):
-                self.cap_of[seen.rows] = best_cap(self.calibration.expected(seen.rows), costs)
+                cap = self.cap_of[rows] = best_cap(self.calibration.expected(rows), costs)
+        chosen = self._chosen.pop(rows)
+        if len(chosen) == 1 and seen.cap == cap:
+            self.committed[rows] = (cap, chosen.pop())
+        else:
+            self.committed.pop(rows, None)
 
 
 class CapSteps:
@@ -188,7 +250,9 @@ class CapSteps:
         self.scale = calibration.scale[: len(self.widths)]  # [K] a view: the calibration's updates reach it
         self._show_tree = show_tree
         self._decided: list[float] | None = None
+        self._unread = False  # the step running now does not wait for its decision
         self._readback = Readback(self.device, 1)  # a pinned buffer and an event: no implicit sync
+        self._later = Readback(self.device, UNREAD_BUFFERS)  # committed steps' decisions, read with their tokens
         self.first = StepRunner(
             [
                 (stages.STAGE_DRAFT, partial(step.draft, models)),
@@ -240,36 +304,38 @@ class CapSteps:
             self.set_cost(rows, self.widths[index], cost + COST_WEIGHT * (seconds - cost))
 
     def run(
-        self, key: Key, make: Callable[..., StepState], forced: int | None
-    ) -> tuple[StepState, TreeShape, float, Observed | None]:
-        """One step: the first part, the decision read back, the second part at the chosen width (or `forced`).
+        self, key: Key, make: Callable[..., StepState], forced: int | None, unread: int | None = None
+    ) -> tuple[StepState, TreeShape, Decision]:
+        """One step: the first part, the decision read back, the second part at the chosen width (or `forced`);
+        or, committed to width `unread`, the second part at once and the decision read with the step's tokens.
         `make(**fields)` makes a fresh state of the step's shape with those fields. Returns the second part's
-        state, the tree it verified, the gain the choice predicted over `ar`, and what the calibration takes
-        once the step's tokens are read (None for a forced width)."""
-        self._decided = None
+        state, the tree it verified and its `Decision`."""
+        self._decided, self._unread = None, unread is not None
         n = key[0]
         first = self.first.run(key, lambda: make(choice_of=Choosing(self.widths_t, self.cost(n), self.scale)))
-        if self._decided is None:  # a replayed one-graph step: no stage hooks ran
-            self._decided = self._read(first)
-        index, gain, raw, active, *curve = self._decided
-        index = int(index)
-        seen = None if forced is not None else Observed(n, self.shape.budget, index, raw, active, curve)
-        width = self.widths[index] if forced is None else forced
+        decision = Decision(n, self.shape.budget, self.widths, 0, own=forced is None)
+        if unread is not None:  # copied now, before a later step's first part overwrites it
+            decision.width, decision.reader = unread, self._later
+            decision.ticket = self._later.start(first.decision[None, :])
+        else:
+            decision.values = self._decided or self._read(first)  # read in the decide stage, or now
+            decision.width = self.widths[int(decision.values[0])] if forced is None else forced
+        width = decision.width
         captured = self.first.captured_state(key) or first
         second = self.second.run(
             (*key, width),
             lambda: make(source=first, width=width),
             lambda: make(source=captured, width=width),
         )
-        return second, self.trees.get(width) or width_shape(self.shape, width), gain, seen
+        return second, self.trees.get(width) or width_shape(self.shape, width), decision
 
     def _after_first(self, stage: str, state: StepState) -> None:
         self._show_tree(stage, state)
-        if stage == stages.STAGE_DECIDE:  # the readback inside the stage that needs it
+        if stage == stages.STAGE_DECIDE and not self._unread:  # the readback inside the stage that needs it
             self._decided = self._read(state)
 
     def _read(self, state: StepState) -> list[float]:
-        row, *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 4 + K]
+        row, *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 4 + 2K]
         return [float(v) for v in row]
 
 

@@ -37,7 +37,7 @@ import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step, warmup
-from ddtree.engine.adaptive import AdaptiveSteps, Observed
+from ddtree.engine.adaptive import AdaptiveSteps, Decision
 from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
 from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
 from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
@@ -80,8 +80,8 @@ class _Launch:
     state: StepState
     ticket: Any  # from `Readback.start`
     shape: TreeShape  # the tree it verified
-    gain: float | None = None  # an adaptive step: the gain its width predicted over ar
-    observed: Observed | None = None  # an adaptive step's own choice: its calibration's input (`observe`)
+    decision: Decision | None = None  # an adaptive step's, maybe still on its way to the host
+    gain: float | None = None  # an adaptive step: the gain its width predicted over ar, once read
 
 
 class DecodeSession:
@@ -382,16 +382,15 @@ class DecodeSession:
             warmup = self.compiles_per_shape and self.adaptive.is_new(key)
             self.observer.on_step_start(self.steps, rows.n, warmup, shape)
             made = partial(StepState, rows, span, sampled, filtered, scored)
-            state, shape, gain, observed = self.adaptive.run(key, made)
-            self.observer.on_width(self.steps, shape, gain)
+            state, shape, decision = self.adaptive.run(key, made)
         else:
-            gain, observed = None, None
+            decision = None
             runner = self.runners[shape]
             warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
             self.observer.on_step_start(self.steps, rows.n, warmup, shape)
             state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
         ticket = self._readback.start(state.out)
-        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, gain, observed))
+        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, decision))
         self.steps += 1
 
     def _scheduled(self, rows: int) -> TreeShape:
@@ -404,20 +403,25 @@ class DecodeSession:
 
     def _finish(self, launch: _Launch) -> list[int]:
         host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
-        self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
-        if self.adaptive is not None:
+        if self.adaptive is not None and launch.decision is not None:
             self._adapt(self.adaptive, launch, host)
+        self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
         emitted = self._commit(host, scores, launch)  # one entry per row of the step
         self.observer.on_step_end(launch.step, emitted)
         return emitted + [0] * (self.num_slots - len(emitted))
 
     def _adapt(self, adaptive: AdaptiveSteps, launch: _Launch, host: list[list[int]]) -> None:
-        """An adaptive step of the session's own choice, read: its prediction against the drafts its rows (those
-        decoding when it launched) accepted, and the time since the last step was read (none since a join)."""
-        now, seen = time.perf_counter(), launch.observed
+        """An adaptive step, read: the observer hears its width and predicted gain; where it was the session's
+        own choice, its prediction is set against the drafts its rows (those decoding when it launched)
+        accepted, and a step that waited for its decision times its cost (from the last step read; none since
+        a join)."""
+        assert launch.decision is not None
+        now = time.perf_counter()
+        seen, launch.gain = launch.decision.read()
+        self.observer.on_width(launch.step, launch.shape, launch.gain)
         if seen is not None:
             adaptive.observe(seen, sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s)))
-            if self._last_finish is not None:
+            if self._last_finish is not None and launch.decision.waited:
                 adaptive.timed(seen, now - self._last_finish)
         self._last_finish = now
 

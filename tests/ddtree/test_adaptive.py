@@ -66,9 +66,11 @@ def test_the_decision_carries_the_raw_prediction_at_the_chosen_width_over_active
     expected = torch.tensor([[0.0, 0.5, 1.0], [0.0, 0.6, 0.9], [0.0, 5.0, 9.0]])  # the third row finished
     active = torch.tensor([True, True, False])
     widths = torch.tensor([0, 1, 2])
-    index, gain, raw, rows, *curve = decision(expected, torch.ones(3), widths, active, torch.ones(3)).tolist()
+    index, gain, raw, rows, *rest = decision(expected, torch.ones(3), widths, active, torch.ones(3)).tolist()
+    curve, gains = rest[:3], rest[3:]
     assert index == 2 and raw == pytest.approx(1.9) and gain == pytest.approx((2 + 1.9) / 2)
     assert rows == 2 and curve == pytest.approx([0.0, 1.1, 1.9])
+    assert gains == pytest.approx([1.0, 3.1 / 2, 3.9 / 2])
     scaled = decision(expected, torch.tensor([1.0, 1.0, 0.1]), widths, active, torch.tensor([1.0, 1.0, 1.0]))
     assert scaled.tolist()[0] == 1 and scaled.tolist()[2] == pytest.approx(1.1)  # raw, not scaled
 
@@ -86,6 +88,7 @@ def test_the_choice_is_the_width_with_most_predicted_tokens_per_second(seed: int
     rate = [sum(1 + expected[i, w] for i in range(rows) if active[i]) / cost[w] for w in range(k)]
     assert int(decision[0]) == int(np.argmax(rate))
     assert decision[1] == pytest.approx(max(rate) / rate[0], rel=1e-5)
+    assert decision[2:] == pytest.approx([r / rate[0] for r in rate], rel=1e-5)  # every width's gain
 
 
 def test_the_caps_are_4_and_8_below_the_budget_and_the_budget() -> None:
@@ -107,7 +110,7 @@ def test_the_best_cap_is_the_one_whose_best_width_pays_most() -> None:
 def test_rows_that_no_longer_decode_weigh_nothing() -> None:
     expected = torch.tensor([[0.0, 0.1, 0.2], [0.0, 50.0, 90.0]])  # the second row finished
     cost = torch.tensor([1.0, 1.5, 2.0])
-    index, gain = choose_width(expected, torch.tensor([True, False]), cost).tolist()
+    index, gain, *_ = choose_width(expected, torch.tensor([True, False]), cost).tolist()
     assert (index, gain) == (0, 1.0)
-    index, _ = choose_width(expected, torch.tensor([True, True]), cost).tolist()
+    index, *_ = choose_width(expected, torch.tensor([True, True]), cost).tolist()
     assert index == 2

@@ -4,6 +4,7 @@ choice follows the measured costs; a replayed step verifies the tree its own fir
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from ddtree.adaptive import adaptive_widths
 from ddtree.engine import graphs
-from ddtree.engine.adaptive import COST_WEIGHT, EXPLORE_EVERY, RECALIBRATE_EVERY, Observed
+from ddtree.engine.adaptive import COST_WEIGHT, EXPLORE_EVERY, RECALIBRATE_EVERY, CapSteps, Observed
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
 from ddtree.engine.requests import Request
@@ -241,3 +242,40 @@ def test_a_steady_steps_time_moves_its_cost_and_an_outlier_does_not() -> None:
     assert adaptive.caps[8].costs[1][seen.index].item() == pytest.approx(1.0 + COST_WEIGHT)  # the device's too
     adaptive.timed(seen, 50.0)  # a step that carried a join's prefill or a capture
     assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
+
+
+def test_a_row_count_whose_window_chose_one_width_runs_it_without_waiting_and_stays_lossless(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once every decision of a window chose the same width, the row count's steps run it without reading
+    their decision first (read later, with the tokens), and the tokens stay ar's."""
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    session = _session(target, drafter, 8, slots=1)
+    adaptive = session.adaptive
+    assert adaptive is not None
+    adaptive.measured = True
+    for cap, width in adaptive.pairs():  # the widest tree is the cheapest: every decision chooses it
+        adaptive.set_cost(1, cap, width, 1.0 if (cap, width) == (8, 8) else 10.0)
+    waited = []
+    read = CapSteps._read
+    monkeypatch.setattr(CapSteps, "_read", lambda self, state: waited.append(1) or read(self, state))
+    prompt = [1, 2, 3]
+    out = _stream(session, [Request(prompt, 60)], lambda _: None)[0]
+    ar = Engine(target, drafter).generate([prompt], GenerationConfig(method="ar", max_new_tokens=60))
+    assert out.token_ids == ar.outputs[0].token_ids
+    assert adaptive.committed == {1: (8, 8)} and len(out.budgets) > RECALIBRATE_EVERY + 2
+    assert len(waited) == RECALIBRATE_EVERY  # only the first window's steps waited for their decision
+    assert len(out.gains) == len(out.budgets) and set(out.budgets) == {8}
+
+
+def test_a_decision_that_chose_otherwise_ends_the_commitment() -> None:
+    target, drafter = tiny_pair(0, vocab=8, block_size=5)
+    adaptive = _session(target, drafter, 8, slots=1).adaptive
+    assert adaptive is not None
+    widths = adaptive.caps[8].widths
+    adaptive.committed[1] = (8, 8)
+    agrees = Observed(1, 8, widths.index(8), 1.0, 1.0, [0.0] * len(widths), chose=widths.index(8))
+    adaptive.observe(agrees, 1)
+    assert adaptive.committed == {1: (8, 8)}
+    adaptive.observe(replace(agrees, chose=widths.index(4)), 1)
+    assert adaptive.committed == {}
