@@ -139,6 +139,16 @@ def row_counts(num_slots: int) -> list[int]:
     return counts
 
 
+def group_sizes(n: int, counts: list[int]) -> list[int]:
+    """`n` as a sum of `counts` (ascending, starting at 1), taking the largest that fits each time."""
+    sizes = []
+    while n:
+        size = max(c for c in counts if c <= n)
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
 def round_up(n: int, bucket: int) -> int:
     """`n` rounded up to a multiple of `bucket`: the few shapes that graphs and compiled regions are made for."""
     return -(-n // bucket) * bucket

@@ -53,8 +53,10 @@ from ddtree.engine.requests import (
     check_request,
     decoding,
     emit,
+    group_sizes,
     round_up,
     row_bucket,
+    row_counts,
 )
 from ddtree.engine.step import Rows, StepModels, StepState
 from ddtree.kernels.clock import stamps_available
@@ -142,6 +144,7 @@ class DecodeSession:
         self.slots: list[Slot | None] = [None] * slots
         self.steps = 0
         self._prefills = GraphCache(cuda_graphs)
+        self.grouped_prefill = cuda_graphs  # joins run in groups of a row count each (`_prefill`)
         settings = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
         self._prefill_into = PrefillInto(
             target,
@@ -257,9 +260,9 @@ class DecodeSession:
         ids = free[: len(requests)]
         if self.observer is not NOOP:
             requests = [r if r.request_id else replace(r, request_id=uuid.uuid4().hex) for r in requests]
-        first = self._prefill(ids, requests)
-        for i, (slot, request) in enumerate(zip(ids, requests, strict=True)):
-            entry = Slot(request, RequestOutput(), len(request.prompt), (first, i))
+        firsts = self._prefill(ids, requests)
+        for slot, request, first in zip(ids, requests, firsts, strict=True):
+            entry = Slot(request, RequestOutput(), len(request.prompt), first)
             if self.pipeline_depth == 1:
                 entry.take_first()
             self.slots[slot] = entry
@@ -328,9 +331,21 @@ class DecodeSession:
             trace_parents=[request.trace_parent],
         )
 
-    def _prefill(self, ids: list[int], requests: list[Request]) -> FirstTokens:
-        """Run the prompts into their slots' rows; return their first tokens, on their way to the host. On CUDA
-        the prompts are padded to a multiple of `PREFILL_BUCKET` and the prefill replays a graph per shape."""
+    def _prefill(self, ids: list[int], requests: list[Request]) -> list[tuple[FirstTokens, int]]:
+        """Run the prompts into their slots' rows; return each one's first token, on its way to the host (its
+        group's, and its index there). On CUDA the prompts run in groups of a row count each (largest first:
+        47 requests as 32, 8, 4, 2 and 1), padded to a multiple of `PREFILL_BUCKET`, each group a graph replay
+        per shape: warm-up captures every row count's, so requests that join in any number capture nothing."""
+        grouped = self.grouped_prefill
+        sizes = group_sizes(len(requests), row_counts(self.num_slots)) if grouped else [len(requests)]
+        firsts: list[tuple[FirstTokens, int]] = []
+        for size in sizes:
+            start = len(firsts)
+            group = self._prefill_group(ids[start : start + size], requests[start : start + size])
+            firsts += [(group, i) for i in range(size)]
+        return firsts
+
+    def _prefill_group(self, ids: list[int], requests: list[Request]) -> FirstTokens:
         device = self.target.device
         width = max(len(r.prompt) for r in requests)
         if self.cuda_graphs:
@@ -338,7 +353,7 @@ class DecodeSession:
         inputs = prefill_inputs(ids, requests, width, device)
         flags = PrefillFlags.of(requests)
         tensors = self._prefills.run((len(requests), width, flags), prefill_stage(self._prefill_into, flags), inputs)
-        reader = Readback(device, 1)
+        reader = Readback(device, 1)  # the copy is queued before any later group's replay reuses the pool
         layout = LogprobLayout(1, alternatives(self.target.vocab_size)) if flags.scored else None
         return FirstTokens(reader.start(tensors["first"]), reader.wait, layout)
 

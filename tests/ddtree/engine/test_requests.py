@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddtree.engine.requests import FirstTokens, Request, RequestOutput, Slot, emit, row_bucket
+from ddtree.engine.requests import FirstTokens, Request, RequestOutput, Slot, emit, group_sizes, row_bucket, row_counts
 
 
 def _slot(new: int, eos: tuple[int, ...] = (), first: tuple[FirstTokens, int] | None = None) -> Slot:
@@ -44,3 +44,10 @@ def test_the_row_bucket_is_a_power_of_two_past_the_last_slot_decoding() -> None:
     assert row_bucket([None, None, None], 8) == 1
     assert row_bucket([_slot(2), None, pending, done, None], 8) == 4, "an unread first token still decodes"
     assert row_bucket([None] * 5 + [_slot(2)], 6) == 6, "at most the session's slots"
+
+
+def test_a_join_splits_into_the_largest_row_counts_that_fit() -> None:
+    assert group_sizes(47, row_counts(64)) == [32, 8, 4, 2, 1]
+    assert group_sizes(48, row_counts(48)) == [48]
+    assert group_sizes(47, row_counts(48)) == [32, 8, 4, 2, 1]
+    assert all(sum(group_sizes(n, row_counts(12))) == n for n in range(13))

@@ -304,3 +304,33 @@ def test_a_request_that_its_prefill_token_ends_keeps_that_token_alone(depth: int
         assert out.token_ids == [first] and out.acceptance_lengths == [] and out.finished
         assert out.finish_reason == ("length" if request.max_new_tokens == 1 else "stop")
         assert session.leave(long).token_ids == _alone(engine, other, "ddtree", 12, 0.0, 0)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_join_run_in_groups_of_row_counts_gives_each_request_its_own_tokens(depth: int) -> None:
+    """Seven requests joining at once in eight slots prefill as groups of 4, 2 and 1 (as on CUDA, where each
+    group replays a graph warm-up captured): greedy, sampled and scored, each gets what it gets alone."""
+    target, drafter = tiny_pair(5, vocab=20, block_size=5)
+    engine = Engine(target, drafter)
+    prompts = random_prompts(9, 7, vocab=20)
+    session = DecodeSession(
+        target, drafter, shape_of("ddtree", 8, None, drafter), slots=8, capacity=160, pipeline_depth=depth
+    )
+    session.grouped_prefill = True
+    groups: list[int] = []
+    prefill = session._prefill_group
+    session._prefill_group = lambda ids, requests: groups.append(len(requests)) or prefill(ids, requests)  # type: ignore[method-assign]
+    temperatures = [0.0, 0.8, 0.0, 0.8, 0.0, 0.8, 0.0]
+    requests = [
+        Request(p, 14, t, seed=60 + i, logprobs=1 if i % 3 == 0 else None)
+        for i, (p, t) in enumerate(zip(prompts, temperatures, strict=True))
+    ]
+    slots = session.join(requests)
+    assert groups == [4, 2, 1]
+    while session.has_active():
+        session.step()
+    session.drain()
+    for i, (slot, prompt, t) in enumerate(zip(slots, prompts, temperatures, strict=True)):
+        out = session.leave(slot)
+        assert out.token_ids == _alone(engine, prompt, "ddtree", 14, t, 60 + i), f"request {i}"
+        assert (len(out.logprobs) == 14) == (i % 3 == 0)
