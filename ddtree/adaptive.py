@@ -105,3 +105,23 @@ def decision(
     raw = (live * expected.float().gather(1, column)[:, 0]).sum()
     curve = (live[:, None] * expected.float()).sum(dim=0)  # [K]
     return torch.cat([chosen[:2], raw[None], live.sum()[None], curve, chosen[2:]])  # [4 + 2K]
+
+
+def commitment(
+    window: Sequence[tuple[Sequence[float], float]], waited: Sequence[float], unwaited: Sequence[float]
+) -> int | None:
+    """Whether deciding each step paid over the window's steps, on the host: each step's predicted gain at
+    every width (over width 0's) and its active rows, with a step's time at each width when the host waits for
+    the decision (`waited`, what the gains were computed with) and when it does not (`unwaited`). A step's
+    predicted tokens at width k are gain[k] x waited[k] x active (over width 0's time, a common factor). Deciding
+    makes the chosen widths' tokens over their waited times; running width k unread every step makes its
+    tokens over its unwaited time. Returns the index of the width whose tokens per second, run unread, are at
+    least deciding's (the best such), or None: the wait pays."""
+    if not window:
+        return None
+    tokens = [[g * w * active for g, w in zip(gains, waited, strict=True)] for gains, active in window]  # [T][K]
+    chosen = [max(range(len(gains)), key=gains.__getitem__) for gains, _ in window]
+    deciding = sum(t[c] for t, c in zip(tokens, chosen, strict=True)) / sum(waited[c] for c in chosen)
+    rates = [sum(t[k] for t in tokens) / (len(window) * unwaited[k]) for k in range(len(waited))]
+    best = max(range(len(rates)), key=lambda k: rates[k])
+    return best if rates[best] >= deciding * (1 - 1e-9) else None

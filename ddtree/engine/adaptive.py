@@ -17,10 +17,12 @@ of the session's own choice then moves toward what it took (`AdaptiveSteps.timed
 row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
 the widest tree, so the curve's wide widths stay current.
 
-Where every step of a window of `RECALIBRATE_EVERY` at a row count chose the same width, the next steps there
-run that width without waiting for their decision (committed): the decision is still made on the device and
-read with the step's tokens (`Decision`), and the first that chooses otherwise ends the commitment. The host
-then waits only where the choice varies, the one thing the wait buys.
+Waiting for the decision costs a step time (`CapSteps.unwaited` holds what each width takes without it). At
+the end of each window of `RECALIBRATE_EVERY` decisions at a row count, where running one width unread every
+step would have made at least the predicted tokens per second that deciding made (`ddtree.adaptive.commitment`:
+always where every decision chose that width), the row count's next window commits to it: its steps run that
+width without waiting, their decision still made on the device and read with the step's tokens (`Decision`),
+so it still calibrates and judges the next window. The host waits only where the choice pays for the wait.
 
 The prediction is calibrated as the session goes (`Calibration`): per width, the drafts the target accepted
 over what the drafter predicted, summed over the request steps that ran that width and shrunk toward all
@@ -32,14 +34,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
 from ddtree import observer as stages
-from ddtree.adaptive import adaptive_caps, adaptive_widths, best_cap, calibration_scale
+from ddtree.adaptive import adaptive_caps, adaptive_widths, best_cap, calibration_scale, commitment
 from ddtree.engine import step
 from ddtree.engine.graphs import StepRunner
 from ddtree.engine.readback import Readback, to_device
@@ -65,7 +67,7 @@ class Observed:
     raw: float  # the raw prediction at that width, summed over the active rows
     active: float  # rows decoding
     curve: list[float]  # the raw prediction at each of the cap's widths, summed over the active rows
-    chose: int = -1  # the index of the width its decision chose (the one it ran unless committed)
+    gains: list[float] = field(default_factory=list)  # each width's predicted gain over ar (the commitment's)
 
 
 @dataclass
@@ -87,13 +89,13 @@ class Decision:
         if self.values is None:
             assert self.reader is not None
             self.values = [float(v) for v in self.reader.wait(self.ticket)[0]]
-        chose, gain, _, active, *rest = self.values
+        _, gain, _, active, *rest = self.values
         k = len(self.widths)
         curve, gains = rest[:k], rest[k:]
         if self.width not in self.widths:  # a forced width between the cap's
             return None, gain
         index = self.widths.index(self.width)
-        seen = Observed(self.rows, self.cap, index, curve[index], active, curve, int(chose)) if self.own else None
+        seen = Observed(self.rows, self.cap, index, curve[index], active, curve, gains) if self.own else None
         return seen, gains[index]
 
     @property
@@ -161,9 +163,9 @@ class AdaptiveSteps:
         self.measured = False
         self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
         self.forced_cap: int | None = None  # the cap it drafts (None: the widest)
+        self.forced_unread = False  # forced steps run unread (measuring the unwaited costs)
         self.committed: dict[int, tuple[int, int]] = {}  # row count -> (cap, width) its steps run unread
-        self._chosen: dict[int, set[int]] = defaultdict(set)  # row count -> widths chosen in its window
-        self._observed: dict[int, int] = defaultdict(int)  # row count -> decisions observed
+        self._window: dict[int, list[Observed]] = defaultdict(list)  # row count -> its window's decisions
 
     @property
     def runners(self) -> list[StepRunner[StepState]]:
@@ -173,8 +175,8 @@ class AdaptiveSteps:
         """Every (cap, width) a step can run."""
         return [(cap, w) for cap, steps in self.caps.items() for w in steps.widths]
 
-    def set_cost(self, rows: int, cap: int, width: int, seconds: float) -> None:
-        self.caps[cap].set_cost(rows, width, seconds)
+    def set_cost(self, rows: int, cap: int, width: int, seconds: float, waited: bool = True) -> None:
+        self.caps[cap].set_cost(rows, width, seconds, waited)
 
     def cap(self, rows: int) -> int:
         """The cap a step of `rows` rows drafts."""
@@ -193,38 +195,39 @@ class AdaptiveSteps:
         cap = self.cap(rows)
         self.steps_at[rows] += 1
         committed = self.committed.get(rows)
-        unread = committed[1] if committed is not None and committed[0] == cap and self.forced is None else None
+        unread = committed[1] if committed is not None and committed[0] == cap else None
+        if self.forced is not None:
+            unread = self.forced if self.forced_unread else None
         return self.caps[cap].run(key, make, self.forced, unread)
 
-    def timed(self, seen: Observed, seconds: float) -> None:
+    def timed(self, seen: Observed, seconds: float, waited: bool = True) -> None:
         """A steady step of the session's own choice took `seconds` (from the end of the step before to its
-        end): its (rows, cap, width) cost moves toward it, so the costs follow what real steps take."""
-        self.caps[seen.cap].retime(seen.rows, seen.index, seconds)
+        end): its (rows, cap, width) cost, `waited` or not, moves toward it, so the costs follow what real steps
+        take."""
+        self.caps[seen.cap].retime(seen.rows, seen.index, seconds, waited)
 
     def observe(self, seen: Observed, accepted: int) -> None:
-        """A step's decision against the drafts its rows then accepted. A decision that chose otherwise than its
-        row count's commitment ends it; every `RECALIBRATE_EVERY` steps at a row count, its cap is chosen
-        again, and where every decision of the window chose one width (of the cap it keeps), its steps commit
-        to it."""
+        """A step's decision against the drafts its rows then accepted. Every `RECALIBRATE_EVERY` decisions at a
+        row count, its cap is chosen again, and its next window commits to a width or not
+        (`ddtree.adaptive.commitment`, over the window's decisions on the cap it keeps)."""
         self.calibration.observe(seen, accepted)
-        rows, chose = seen.rows, self.caps[seen.cap].widths[seen.chose]
-        committed = self.committed.get(rows)
-        if committed is not None and committed != (seen.cap, chose) and seen.cap == committed[0]:
-            del self.committed[rows]
-        self._chosen[rows].add(chose)
-        self._observed[rows] += 1
-        if self._observed[rows] % RECALIBRATE_EVERY:
+        rows, window = seen.rows, self._window[seen.rows]
+        window.append(seen)
+        if len(window) < RECALIBRATE_EVERY:
             return
         cap = self.cap_of.get(rows, self.widest)
         if len(self.caps) > 1:
             costs = {c: steps.seconds[rows] for c, steps in self.caps.items() if rows in steps.seconds}
             if len(costs) == len(self.caps):
                 cap = self.cap_of[rows] = best_cap(self.calibration.expected(rows), costs)
-        chosen = self._chosen.pop(rows)
-        if len(chosen) == 1 and seen.cap == cap:
-            self.committed[rows] = (cap, chosen.pop())
-        else:
+        del self._window[rows]
+        steps = self.caps[cap]
+        mine = [(s.gains, s.active) for s in window if s.cap == cap and s.gains]
+        index = commitment(mine, *steps.times(rows)) if rows in steps.seconds else None
+        if index is None:
             self.committed.pop(rows, None)
+        else:
+            self.committed[rows] = (cap, steps.widths[index])
 
 
 class CapSteps:
@@ -247,6 +250,7 @@ class CapSteps:
         self.trees = {w: width_shape(shape, w) for w in self.widths}  # what a step of each width verifies
         self.costs: dict[int, torch.Tensor] = {}  # row count -> [K] seconds per step
         self.seconds: dict[int, list[float]] = {}  # the same, on the host
+        self.unwaited: dict[int, list[float]] = {}  # row count -> [K] seconds per step run unread (committed)
         self.scale = calibration.scale[: len(self.widths)]  # [K] a view: the calibration's updates reach it
         self._show_tree = show_tree
         self._decided: list[float] | None = None
@@ -288,20 +292,29 @@ class CapSteps:
         return cost
 
     @torch.inference_mode()
-    def set_cost(self, rows: int, width: int, seconds: float) -> None:
-        """A step of `width` at `rows` rows takes `seconds` (the session's own measure, or the caller's)."""
+    def set_cost(self, rows: int, width: int, seconds: float, waited: bool = True) -> None:
+        """A step of `width` at `rows` rows takes `seconds` (the session's own measure, or the caller's), where
+        the host waits for its decision (`waited`: what the device's choice weighs) or not."""
         index = self.widths.index(width)
+        if not waited:
+            self.unwaited.setdefault(rows, [0.0] * len(self.widths))[index] = seconds
+            return
         self.cost(rows)[index] = seconds
         self.seconds.setdefault(rows, [1.0] * len(self.widths))[index] = seconds
 
-    def retime(self, rows: int, index: int, seconds: float) -> None:
+    def times(self, rows: int) -> tuple[list[float], list[float]]:
+        """Each width's step time at `rows` rows, waited and unwaited (unmeasured: the waited time)."""
+        waited = self.seconds[rows]
+        unwaited = self.unwaited.get(rows, [])
+        return waited, [u or w for u, w in zip(unwaited, waited, strict=True)] if unwaited else list(waited)
+
+    def retime(self, rows: int, index: int, seconds: float, waited: bool = True) -> None:
         """`AdaptiveSteps.timed`: an outlier (outside `COST_RANGE` of the cost) is left out."""
-        measured = self.seconds.get(rows)
-        if measured is None:
+        if rows not in self.seconds:
             return
-        cost = measured[index]
+        cost = self.times(rows)[0 if waited else 1][index]
         if COST_RANGE[0] * cost <= seconds <= COST_RANGE[1] * cost:
-            self.set_cost(rows, self.widths[index], cost + COST_WEIGHT * (seconds - cost))
+            self.set_cost(rows, self.widths[index], cost + COST_WEIGHT * (seconds - cost), waited)
 
     def run(
         self, key: Key, make: Callable[..., StepState], forced: int | None, unread: int | None = None

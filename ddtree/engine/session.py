@@ -281,9 +281,9 @@ class DecodeSession:
 
     def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16) -> None:
         """An adaptive session's cost model: the time of a greedy step of each (cap, width) it chooses between,
-        at each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
-        replays). `join` runs it before the session's first request where it has not run. The observer sees
-        none of it. Call it on an empty session."""
+        at each row count a step can have, with and without the wait for its decision, on this device and dtype
+        (after `warm_up` on CUDA, the graphs' replays). `join` runs it before the session's first request where
+        it has not run. The observer sees none of it. Call it on an empty session."""
         warmup.measure_costs(self, repeats, prompt_tokens)
 
     @contextmanager
@@ -428,16 +428,15 @@ class DecodeSession:
     def _adapt(self, adaptive: AdaptiveSteps, launch: _Launch, host: list[list[int]]) -> None:
         """An adaptive step, read: the observer hears its width and predicted gain; where it was the session's
         own choice, its prediction is set against the drafts its rows (those decoding when it launched)
-        accepted, and a step that waited for its decision times its cost (from the last step read; none since
-        a join)."""
+        accepted, and it times its cost, waited for or not (from the last step read; none since a join)."""
         assert launch.decision is not None
         now = time.perf_counter()
         seen, launch.gain = launch.decision.read()
         self.observer.on_width(launch.step, launch.shape, launch.gain)
         if seen is not None:
             adaptive.observe(seen, sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s)))
-            if self._last_finish is not None and launch.decision.waited:
-                adaptive.timed(seen, now - self._last_finish)
+            if self._last_finish is not None:
+                adaptive.timed(seen, now - self._last_finish, launch.decision.waited)
         self._last_finish = now
 
     def _read(self, launch: _Launch) -> tuple[list[list[int]], Scores | None]:

@@ -3,6 +3,7 @@ first real request, and an adaptive session's measure of what each (cap, width) 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -56,11 +57,11 @@ def measure_costs(session: DecodeSession, repeats: int, prompt_tokens: int) -> N
     with session.unobserved():
         try:
             for n in row_counts(session.num_slots):
-                for cap, width in adaptive.pairs():
-                    adaptive.forced_cap, adaptive.forced = cap, width
-                    adaptive.set_cost(n, cap, width, _time_steps(session, n, repeats, prompt_tokens))
+                for (cap, width), waited in itertools.product(adaptive.pairs(), (True, False)):
+                    adaptive.forced_cap, adaptive.forced, adaptive.forced_unread = cap, width, not waited
+                    adaptive.set_cost(n, cap, width, _time_steps(session, n, repeats, prompt_tokens), waited)
         finally:
-            adaptive.forced_cap, adaptive.forced = None, None
+            adaptive.forced_cap, adaptive.forced, adaptive.forced_unread = None, None, False
 
 
 def _time_steps(session: DecodeSession, n: int, repeats: int, prompt_tokens: int) -> float:

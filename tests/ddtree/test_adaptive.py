@@ -13,6 +13,7 @@ from ddtree.adaptive import (
     calibrated,
     calibration_scale,
     choose_width,
+    commitment,
     decision,
     expected_accepted,
 )
@@ -114,3 +115,30 @@ def test_rows_that_no_longer_decode_weigh_nothing() -> None:
     assert (index, gain) == (0, 1.0)
     index, *_ = choose_width(expected, torch.tensor([True, True]), cost).tolist()
     assert index == 2
+
+
+def test_a_window_commits_where_running_one_width_unread_makes_at_least_what_deciding_made() -> None:
+    waited, unwaited = [1.0, 1.2, 1.5], [0.9, 1.0, 1.2]  # the wait costs every width some time
+    same = [([1.0, 1.4, 1.6], 2.0)] * 4  # every step chose width 2
+    assert commitment(same, waited, unwaited) == 2
+    assert commitment(same, waited, waited) == 2  # even where the wait costs nothing: the same choices
+    varied = [([1.0, 1.4, 1.1], 2.0), ([1.0, 1.1, 1.6], 2.0)] * 2  # width 1 and 2 in turn, each by far
+    assert commitment(varied, waited, waited) is None  # deciding beats either width every step
+    assert commitment(varied, waited, [0.5, 0.5, 0.6]) == 2  # unless the wait costs more than deciding gains
+    assert commitment([], waited, unwaited) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_commitment_is_checked_against_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    k, steps = int(rng.integers(2, 6)), int(rng.integers(1, 20))
+    waited = rng.uniform(1.0, 2.0, size=k)
+    unwaited = waited * rng.uniform(0.7, 1.0, size=k)
+    window = [(list(rng.uniform(0.5, 2.0, size=k) / 1.0), float(rng.integers(1, 5))) for _ in range(steps)]
+    window = [([1.0, *g[1:]], a) for g, a in window]  # width 0's gain over itself
+    tokens = np.array([[g[j] * waited[j] * a for j in range(k)] for g, a in window])
+    chose = [int(np.argmax(g)) for g, _ in window]
+    deciding = sum(tokens[t, c] for t, c in enumerate(chose)) / sum(waited[c] for c in chose)
+    rates = tokens.sum(axis=0) / (steps * unwaited)
+    got = commitment(window, list(waited), list(unwaited))
+    assert got == (int(np.argmax(rates)) if rates.max() >= deciding else None)

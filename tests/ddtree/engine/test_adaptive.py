@@ -4,7 +4,6 @@ choice follows the measured costs; a replayed step verifies the tree its own fir
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -117,6 +116,8 @@ def test_measuring_costs_needs_an_adaptive_empty_session() -> None:
     session = _session(target, drafter, 4, slots=2)
     slot = session.join([Request([1, 2], 5)])[0]  # the first join measures
     assert session.adaptive is not None and set(session.adaptive.caps[4].costs) == {1, 2}
+    unwaited = session.adaptive.caps[4].unwaited  # each width also timed without the wait for its decision
+    assert set(unwaited) == {1, 2} and all(t > 0 for times in unwaited.values() for t in times)
     with pytest.raises(ValueError, match="empty"):
         session.measure_costs()
     session.leave(slot)
@@ -268,14 +269,22 @@ def test_a_row_count_whose_window_chose_one_width_runs_it_without_waiting_and_st
     assert len(out.gains) == len(out.budgets) and set(out.budgets) == {8}
 
 
-def test_a_decision_that_chose_otherwise_ends_the_commitment() -> None:
+def test_a_window_whose_choices_varied_commits_only_where_the_wait_costs_more_than_deciding_gains() -> None:
     target, drafter = tiny_pair(0, vocab=8, block_size=5)
     adaptive = _session(target, drafter, 8, slots=1).adaptive
     assert adaptive is not None
-    widths = adaptive.caps[8].widths
+    steps = adaptive.caps[8]
+    widths = steps.widths
+    for width in widths:
+        adaptive.set_cost(1, 8, width, 1.0)
     adaptive.committed[1] = (8, 8)
-    agrees = Observed(1, 8, widths.index(8), 1.0, 1.0, [0.0] * len(widths), chose=widths.index(8))
-    adaptive.observe(agrees, 1)
-    assert adaptive.committed == {1: (8, 8)}
-    adaptive.observe(replace(agrees, chose=widths.index(4)), 1)
-    assert adaptive.committed == {}
+    gains = [[1.0] + [2.0 if w == (4 if i % 2 else 8) else 1.5 for w in widths[1:]] for i in range(RECALIBRATE_EVERY)]
+    window = [Observed(1, 8, 0, 0.0, 1.0, [0.0] * len(widths), g) for g in gains]  # widths 4 and 8 in turn
+    for seen in window:
+        adaptive.observe(seen, 0)
+    assert adaptive.committed == {}  # deciding made 2x ar, either width alone 1.75x
+    for width in widths:
+        adaptive.set_cost(1, 8, width, 0.5, waited=False)  # the wait doubles a step
+    for seen in window:
+        adaptive.observe(seen, 0)
+    assert adaptive.committed[1][1] in (4, 8)
