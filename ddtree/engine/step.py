@@ -14,7 +14,8 @@ session's per-slot tensors (`Rows` views them), which the stages update in place
                 -> out [n, columns], the one host readback
 
 An adaptive step (`--budget adaptive`) runs in two parts. The first drafts and builds its cap's tree, then
-`decide`s on the device which width pays most (`ddtree.adaptive`) -> decision [4 + K], which the host reads.
+`decide`s on the device which width pays most (`ddtree.adaptive`) -> decision [4 + 2K], which the host reads
+before the second part, or, where its row count is committed to a width, with the step's tokens.
 The second verifies and accepts the tree's first `width` nodes: its state's `source` is the first part's
 state, and `narrow` takes the tree from it inside the step (so a replay reads what the first part's replay
 wrote).
@@ -94,7 +95,7 @@ class StepState:
     out: torch.Tensor = field(init=False)  # [n, columns] int64, what the host reads back
     layout: ProbeLayout | None = field(init=False)  # where the probe sits in `out`; None: no probe
     scored: LogprobLayout | None = field(init=False)  # the log-probabilities, `out`'s last columns; None: none
-    decision: torch.Tensor = field(init=False)  # [4 + K] float32: an adaptive step's (`ddtree.adaptive.decision`)
+    decision: torch.Tensor = field(init=False)  # [4 + 2K] float32: an adaptive step's (`ddtree.adaptive.decision`)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def decide(m: StepModels, s: StepState) -> None:
     c = s.choice_of
     assert c is not None, "an adaptive step's first part is made with what it chooses between"
     expected = expected_accepted(s.tree.log_probs, c.widths)  # [n, K]
-    s.decision = decision(expected, c.scale, c.widths, s.rows.active, c.cost)  # [4 + K]
+    s.decision = decision(expected, c.scale, c.widths, s.rows.active, c.cost)  # [4 + 2K]
 
 
 def narrow(m: StepModels, s: StepState) -> None:
