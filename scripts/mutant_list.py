@@ -439,4 +439,23 @@ def mutants() -> list[Mutant]:
             ),
             ("tests/telemetry/analysis/test_switching_log.py",),
         ),
+        Mutant(
+            "prefill-group-first-token-index",
+            "a grouped join hands each request the first token at its index in the whole join, not in its group",
+            "ddtree/engine/session.py",
+            (
+                (
+                    "firsts += [(group, i) for i in range(size)]",
+                    "firsts += [(group, min(start + i, size - 1)) for i in range(size)]",
+                ),
+            ),
+            ("tests/ddtree/engine/test_session.py",),
+        ),
+        Mutant(
+            "commitment-ignores-the-wait",
+            "a window commits by the waited step times alone, as if running unread saved nothing",
+            "ddtree/adaptive.py",
+            (("/ (len(window) * unwaited[k])", "/ (len(window) * waited[k])"),),
+            ("tests/ddtree/test_adaptive.py",),
+        ),
     ]
