@@ -1,4 +1,5 @@
-"""Run a decode step's stages eagerly or as CUDA graph replays.
+"""The stage runner: it runs a decode step's stages eagerly or as CUDA graph replays, and decides nothing else
+(the step itself, top to bottom, is `ddtree.engine.step.decode_step`).
 
 A step is a list of stages, each a function of the step's state (`ddtree.engine.step.StepState`), then a
 `finish` that assembles what the host reads back. The runner knows the stages by name only: it calls them in

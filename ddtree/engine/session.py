@@ -8,7 +8,8 @@ captured once replays every later step of its shape. Slots are
 independent: a request's tokens depend only on its prompt, its settings and its seed.
 
 A step: draft -> tree_build -> verify -> accept, the plain functions of `ddtree.engine.step` over a typed
-`StepState`, run eagerly or as graph replays by `ddtree.engine.graphs.StepRunner`. It makes one
+`StepState`, run eagerly or as graph replays by `ddtree.engine.graphs.StepRunner`; `ddtree.engine.step.
+decode_step` is the whole step as the session runs it, launch to commit, in one function. It makes one
 device-to-host transfer, the accepted tokens, which the caller needs anyway. With an observer, what telemetry
 needs of the device (the tree, and on a graphed GPU the stages' device clock stamps) rides along in the same
 rows (`ddtree.engine.probe`) and reaches the observer as `on_probe`; without one the rows are the tokens alone.
@@ -27,21 +28,18 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import NamedTuple
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from ddtree import observer as stages
 from ddtree.engine import step, warmup
 from ddtree.engine.adaptive import AdaptiveSteps, Decision
 from ddtree.engine.graphs import GraphCache, StepRunner, require_cuda
-from ddtree.engine.logprobs import LogprobLayout, alternatives, read_row
+from ddtree.engine.logprobs import LogprobLayout, alternatives
 from ddtree.engine.prefill import PrefillFlags, PrefillInto, prefill_inputs, prefill_stage
-from ddtree.engine.probe import split_rows
 from ddtree.engine.proposers import Proposer, make_proposer
 from ddtree.engine.readback import Readback, to_device
 from ddtree.engine.requests import (
@@ -52,13 +50,12 @@ from ddtree.engine.requests import (
     cache_tokens,
     check_request,
     decoding,
-    emit,
     group_sizes,
     round_up,
     row_bucket,
     row_counts,
 )
-from ddtree.engine.step import Rows, StepModels, StepState
+from ddtree.engine.step import Launched, Rows, StepModels, StepPlan, StepState, decode_step
 from ddtree.kernels.clock import stamps_available
 from ddtree.kernels.tree_attention import resolve_attention
 from ddtree.methods import TreeShape
@@ -70,20 +67,12 @@ from ddtree.schedule import ShapeSchedule
 SPAN_BUCKET = 256  # on CUDA, the attended key span is rounded up to a multiple of this
 PREFILL_BUCKET = 64  # on CUDA, prompts are padded to a multiple of this
 
-Scores = tuple[npt.NDArray[np.int64], LogprobLayout]  # a step's log-probability columns [rows, columns] on the host
 
+class InFlight(NamedTuple):
+    """A launched step whose tokens have not been read yet."""
 
-@dataclass
-class _Launch:
-    """A step whose tokens have not been read yet."""
-
-    step: int
-    entries: list[Slot | None]  # the slots' occupants when it was launched
+    finishing: Launched  # resumed, it reads the step back and commits it
     state: StepState
-    ticket: Any  # from `Readback.start`
-    shape: TreeShape  # the tree it verified
-    decision: Decision | None = None  # an adaptive step's, maybe still on its way to the host
-    gain: float | None = None  # an adaptive step: the gain its width predicted over ar, once read
 
 
 class DecodeSession:
@@ -174,8 +163,8 @@ class DecodeSession:
         adaptive = self.schedule.adaptive
         self.adaptive = AdaptiveSteps(models, shape, observer, cuda_graphs, self._show_tree) if adaptive else None
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
-        self._readback = Readback(target.device, self.pipeline_depth)
-        self._inflight: deque[_Launch] = deque()
+        self.readback = Readback(target.device, self.pipeline_depth)
+        self._inflight: deque[InFlight] = deque()
         self._last_finish: float | None = None  # when the last step's tokens were read (None: a join since)
         self._views: dict[int, Rows] = {}
         if self.probed:
@@ -268,7 +257,7 @@ class DecodeSession:
             self.slots[slot] = entry
             if self.observer is not NOOP:
                 self.observer.on_generate_start(self._info(request, slot))
-        self._refresh_active()
+        self.refresh_active()
         return ids
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 4) -> None:
@@ -308,7 +297,7 @@ class DecodeSession:
         entry = self._entry(slot)
         entry.take_first()
         self.slots[slot] = None
-        self._refresh_active()
+        self.refresh_active()
         if self.observer is not NOOP:
             out, rid = entry.output, entry.request.request_id
             result = RequestResult(rid, out.token_ids, out.acceptance_lengths, out.finish_reason or reason)
@@ -357,7 +346,7 @@ class DecodeSession:
         layout = LogprobLayout(1, alternatives(self.target.vocab_size)) if flags.scored else None
         return FirstTokens(reader.start(tensors["first"]), reader.wait, layout)
 
-    def _refresh_active(self) -> None:
+    def refresh_active(self) -> None:
         flags = [decoding(s) for s in self.slots]
         self.active.copy_(to_device(flags, self.target.device))
 
@@ -365,48 +354,51 @@ class DecodeSession:
 
     @torch.inference_mode()
     def step(self) -> list[int]:
-        """One decode step for every slot; returns how many tokens each slot's request kept.
+        """One decode step for every slot (`ddtree.engine.step.decode_step`); returns how many tokens each
+        slot's request kept.
 
         With a pipeline depth of 2 the next step is launched before this one's tokens are read, so the
         host's work overlaps the device's. Its results are the same: a step's inputs live on the device,
         and a slot that finished or left while a step was in flight just has that step's tokens ignored.
         """
         while len(self._inflight) < self.pipeline_depth:
-            self._launch()
-        return self._finish(self._inflight.popleft())
+            launched = decode_step(self)
+            self._inflight.append(InFlight(launched, next(launched)))
+        return _finished(self._inflight.popleft())
 
     def drain(self) -> list[list[int]]:
         """Finish the steps still in flight (their tokens go to slots that are still decoding, if any);
         returns what each kept, as `step` does."""
-        return [self._finish(self._inflight.popleft()) for _ in range(len(self._inflight))]
+        return [_finished(self._inflight.popleft()) for _ in range(len(self._inflight))]
 
-    def _launch(self) -> None:
+    def plan_step(self) -> StepPlan:
+        """The next step's rows (the first slots up to the last one decoding, in a row bucket), key span, flags
+        and tree, from the slots' requests."""
         occupied = [s.request for s in self.slots if s is not None and not s.output.finished]
-        sampled = any(r.temperature > 0 for r in occupied)
-        filtered = any(r.filtered for r in occupied)
-        scored = any(r.logprobs is not None for r in occupied)
         # Each step in flight may commit up to one tree's depth that the host has not read yet.
         ahead = (1 + len(self._inflight)) * self.proposer.width
         span = max((s.length for s in self.slots if s is not None), default=0) + ahead + self.proposer.block
         if self.few_shapes:
             span = min(self.capacity, round_up(span, SPAN_BUCKET))
         rows = self._rows(row_bucket(self.slots, self.num_slots))
-        shape = self._scheduled(rows.n)
-        key = (rows.n, span, sampled, filtered, scored)
+        sampled = any(r.temperature > 0 for r in occupied)
+        filtered = any(r.filtered for r in occupied)
+        scored = any(r.logprobs is not None for r in occupied)
+        return StepPlan(rows, span, sampled, filtered, scored, self._scheduled(rows.n))
+
+    def run_stages(self, number: int, plan: StepPlan) -> tuple[StepState, TreeShape, Decision | None]:
+        """Step `number`'s stages after the observer hears it start: eagerly or as graph replays, by the
+        runner of its tree, or by an adaptive session's two parts. Returns its state, the tree it verified and
+        an adaptive step's decision."""
+        key = plan.key
         if self.adaptive is not None:
             warmup = self.compiles_per_shape and self.adaptive.is_new(key)
-            self.observer.on_step_start(self.steps, rows.n, warmup, shape)
-            made = partial(StepState, rows, span, sampled, filtered, scored)
-            state, shape, decision = self.adaptive.run(key, made)
-        else:
-            decision = None
-            runner = self.runners[shape]
-            warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
-            self.observer.on_step_start(self.steps, rows.n, warmup, shape)
-            state = runner.run(key, lambda: StepState(rows, span, sampled, filtered, scored))
-        ticket = self._readback.start(state.out)
-        self._inflight.append(_Launch(self.steps, list(self.slots), state, ticket, shape, decision))
-        self.steps += 1
+            self.observer.on_step_start(number, plan.rows.n, warmup, plan.shape)
+            return self.adaptive.run(key, plan.state)
+        runner = self.runners[plan.shape]
+        warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
+        self.observer.on_step_start(number, plan.rows.n, warmup, plan.shape)
+        return runner.run(key, plan.state), plan.shape, None
 
     def _scheduled(self, rows: int) -> TreeShape:
         """The shape for a step over `rows` rows (its row bucket). The bucket, not the number of requests
@@ -416,43 +408,22 @@ class DecodeSession:
             return self.shape
         return self.schedule.shape_for(rows)
 
-    def _finish(self, launch: _Launch) -> list[int]:
-        host, scores = self._read(launch)  # rows: [accepted, path tokens..., bonus]
-        if self.adaptive is not None and launch.decision is not None:
-            self._adapt(self.adaptive, launch, host)
-        self.observer.on_accept(launch.step, launch.state.result, [row[0] for row in host])
-        emitted = self._commit(host, scores, launch)  # one entry per row of the step
-        self.observer.on_step_end(launch.step, emitted)
-        return emitted + [0] * (self.num_slots - len(emitted))
-
-    def _adapt(self, adaptive: AdaptiveSteps, launch: _Launch, host: list[list[int]]) -> None:
-        """An adaptive step, read: the observer hears its width and predicted gain; where it was the session's
-        own choice, its prediction is set against the drafts its rows (those decoding when it launched)
-        accepted, and it times its cost, waited for or not (from the last step read; none since a join)."""
-        assert launch.decision is not None
+    def adapt(
+        self, number: int, shape: TreeShape, decision: Decision, entries: list[Slot | None], host: list[list[int]]
+    ) -> float:
+        """An adaptive step, read: the observer hears its width and predicted gain (returned); where it was the
+        session's own choice, its prediction is set against the drafts its rows (those decoding when it
+        launched, `entries`) accepted, and it times its cost, waited for or not (from the last step read; none
+        since a join)."""
         now = time.perf_counter()
-        seen, launch.gain = launch.decision.read()
-        self.observer.on_width(launch.step, launch.shape, launch.gain)
-        if seen is not None:
-            adaptive.observe(seen, sum(row[0] for row, s in zip(host, launch.entries, strict=False) if decoding(s)))
+        seen, gain = decision.read()
+        self.observer.on_width(number, shape, gain)
+        if seen is not None and self.adaptive is not None:
+            self.adaptive.observe(seen, sum(row[0] for row, s in zip(host, entries, strict=False) if decoding(s)))
             if self._last_finish is not None:
-                adaptive.timed(seen, now - self._last_finish, launch.decision.waited)
+                self.adaptive.timed(seen, now - self._last_finish, decision.waited)
         self._last_finish = now
-
-    def _read(self, launch: _Launch) -> tuple[list[list[int]], Scores | None]:
-        """The step's token rows and, where asked for, its log-probability columns and their layout, after an
-        explicit wait; a probe read back with them goes to the observer."""
-        layout, scored = launch.state.layout, launch.state.scored
-        if layout is None and scored is None:
-            return self._readback.wait(launch.ticket), None
-        block = self._readback.wait_array(launch.ticket)
-        end = block.shape[1] - (0 if scored is None else scored.columns)  # where the log-probabilities start
-        scores = None if scored is None else (block[:, end:], scored)
-        if layout is None:
-            return block[:, :end].tolist(), scores
-        rows, probe = split_rows(block[:, :end], layout)
-        self.observer.on_probe(launch.step, probe)
-        return rows, scores
+        return gain
 
     def _rows(self, n: int) -> Rows:
         """Views of the first `n` slots (made once per `n`: graphs captured on them replay on them)."""
@@ -480,31 +451,12 @@ class DecodeSession:
         if stage == stages.STAGE_TREE_BUILD:
             self.observer.on_tree(state.tree)
 
-    def _commit(self, host: list[list[int]], scores: Scores | None, launch: _Launch) -> list[int]:
-        """Give each slot that decoded in this step and still does its accepted drafts and bonus (and their
-        log-probabilities where asked for, from `scores`), after its prefill's token if that was still unread;
-        return how many tokens each of the step's rows (the first slots) kept."""
-        emitted = [0] * len(host)
-        finished_now = False
-        budget = launch.shape.budget
-        for i, (entry, row) in enumerate(zip(self.slots, host, strict=False)):
-            if entry is None or entry is not launch.entries[i] or entry.output.finished:
-                continue
-            n = row[0]
-            entry.length += n + 1  # what the device committed
-            if entry.take_first():  # the prefill's token ended the request: this step's tokens are not kept
-                finished_now = True
-                continue
-            entry.output.acceptance_lengths.append(n + 1)
-            entry.output.budgets.append(budget)
-            if launch.gain is not None:
-                entry.output.gains.append(launch.gain)
-            before = len(entry.output.token_ids)
-            top = entry.request.logprobs
-            asked = () if top is None or scores is None else read_row(scores[0][i], scores[1], n + 1, top)
-            emit(entry, [*row[2 : 2 + n], row[-1]], *asked)
-            emitted[i] = len(entry.output.token_ids) - before
-            finished_now |= entry.output.finished
-        if finished_now:
-            self._refresh_active()
+
+def _finished(flight: InFlight) -> list[int]:
+    """Resume a launched step to its end: what each slot kept."""
+    try:
+        next(flight.finishing)
+    except StopIteration as done:
+        emitted: list[int] = done.value
         return emitted
+    raise RuntimeError("a decode step yields once, after its launch")

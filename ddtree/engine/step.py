@@ -23,23 +23,40 @@ wrote).
 The flags a step is made with (`sampled`, `filtered`, `logprobs`) are known at launch from the requests
 decoding, and are part of the step's graph key: a step in which no request samples, filters or asks for
 log-probabilities does none of that work.
+
+`decode_step` is the whole step as the session runs it, in one function: the plan from the slots
+(`StepPlan`), the observer's start, the stages (run eagerly or replayed by `ddtree.engine.graphs.StepRunner`,
+which chooses that and nothing else), the one readback, then, once resumed (the session launches the next
+step first where it pipelines), the wait (`read_back`), an adaptive step's decision, and the commit of the
+accepted tokens to the slots (`commit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ddtree.accept import AcceptResult, accept
 from ddtree.adaptive import decision, expected_accepted
-from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, path_columns
-from ddtree.engine.probe import ProbeLayout, readout
+from ddtree.engine.logprobs import LogprobLayout, NodeLogprobs, node_logprobs, path_columns, read_row
+from ddtree.engine.probe import ProbeLayout, readout, split_rows
 from ddtree.engine.proposers import Proposer
+from ddtree.engine.readback import Readback
+from ddtree.engine.requests import Slot, emit
 from ddtree.kv_cache import KVCache
+from ddtree.methods import TreeShape
 from ddtree.models.target import Target, TokenOrder
+from ddtree.observer import StepObserver
 from ddtree.sampling import choose_tokens
 from ddtree.tree import DraftTree
+
+if TYPE_CHECKING:
+    from ddtree.engine.session import DecodeSession
 
 
 @dataclass(frozen=True)
@@ -174,3 +191,112 @@ def finish(m: StepModels, s: StepState) -> None:
     tail, s.scored = (None, None) if s.scores is None else path_columns(s.scores, s.result.path)
     depth = m.proposer.block - 1  # the deepest a tree of this proposer reaches: the path's rank columns
     s.out, s.layout = readout(s.result, s.tree if m.probed else None, s.stamps, tail, depth)
+
+
+# -- the step, top to bottom --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step runs, known at launch from the slots: its rows, key span, flags and tree."""
+
+    rows: Rows
+    span: int
+    sampled: bool
+    filtered: bool
+    scored: bool
+    shape: TreeShape  # the tree it drafts (an adaptive step: its cap's, until it chooses)
+
+    @property
+    def key(self) -> tuple[int, int, bool, bool, bool]:
+        """The step's graph key: steps of one key replay the same graphs."""
+        return (self.rows.n, self.span, self.sampled, self.filtered, self.scored)
+
+    def state(self, **fields: Any) -> StepState:
+        """A fresh state of this step's shape, with `fields` (an adaptive step's parts)."""
+        return StepState(self.rows, self.span, self.sampled, self.filtered, self.scored, **fields)
+
+
+Launched = Generator[StepState, None, list[int]]  # a step in flight: its state, then what each row kept
+
+
+def decode_step(session: DecodeSession) -> Launched:
+    """One decode step of `session`, top to bottom.
+
+    Launch: the plan from the slots; the observer hears the step start; the stages run, eagerly or as graph
+    replays (`DecodeSession.run_stages`: `ddtree.engine.graphs.StepRunner` for a fixed tree, the two parts
+    of `ddtree.engine.adaptive` for an adaptive one); the one readback starts. Then the step yields its
+    state: with a pipeline depth of 2 the session launches the next step before it finishes this one. Finish:
+    the wait for the readback (the probe to the observer), an adaptive step's decision read and weighed, the
+    accepted tokens given to the slots that decoded in the step and still do, and the observer hears the
+    step end. Returns how many tokens each slot kept (0 past the step's rows)."""
+    number, entries = session.steps, list(session.slots)
+    plan = session.plan_step()
+    state, shape, decision = session.run_stages(number, plan)
+    ticket = session.readback.start(state.out)
+    session.steps += 1
+    yield state
+    host, scores = read_back(session.readback, ticket, state, session.observer, number)
+    gain = None if decision is None else session.adapt(number, shape, decision, entries, host)
+    session.observer.on_accept(number, state.result, [row[0] for row in host])
+    emitted, finished = commit(session.slots, entries, host, scores, shape.budget, gain)
+    if finished:
+        session.refresh_active()
+    session.observer.on_step_end(number, emitted)
+    return emitted + [0] * (len(session.slots) - len(emitted))
+
+
+Scores = tuple[npt.NDArray[np.int64], LogprobLayout]  # a step's log-probability columns [rows, columns] on the host
+
+
+def read_back(
+    readback: Readback, ticket: Any, state: StepState, observer: StepObserver, number: int
+) -> tuple[list[list[int]], Scores | None]:
+    """The step's token rows (`[accepted, path tokens..., bonus]`) and, where asked for, its log-probability
+    columns and their layout, after an explicit wait; a probe read back with them goes to the observer."""
+    layout, scored = state.layout, state.scored
+    if layout is None and scored is None:
+        return readback.wait(ticket), None
+    block = readback.wait_array(ticket)
+    end = block.shape[1] - (0 if scored is None else scored.columns)  # where the log-probabilities start
+    scores = None if scored is None else (block[:, end:], scored)
+    if layout is None:
+        return block[:, :end].tolist(), scores
+    rows, probe = split_rows(block[:, :end], layout)
+    observer.on_probe(number, probe)
+    return rows, scores
+
+
+def commit(
+    slots: list[Slot | None],
+    entries: list[Slot | None],
+    host: list[list[int]],
+    scores: Scores | None,
+    budget: int,
+    gain: float | None,
+) -> tuple[list[int], bool]:
+    """Give each slot that decoded in the step (its occupant then, `entries`) and still does its accepted drafts
+    and bonus (and their log-probabilities where asked for, from `scores`), after its prefill's token if that
+    was still unread. Returns how many tokens each of the step's rows (the first slots) kept, and whether some
+    request finished."""
+    emitted = [0] * len(host)
+    finished_now = False
+    for i, (entry, row) in enumerate(zip(slots, host, strict=False)):
+        if entry is None or entry is not entries[i] or entry.output.finished:
+            continue
+        n = row[0]
+        entry.length += n + 1  # what the device committed
+        if entry.take_first():  # the prefill's token ended the request: this step's tokens are not kept
+            finished_now = True
+            continue
+        entry.output.acceptance_lengths.append(n + 1)
+        entry.output.budgets.append(budget)
+        if gain is not None:
+            entry.output.gains.append(gain)
+        before = len(entry.output.token_ids)
+        top = entry.request.logprobs
+        asked = () if top is None or scores is None else read_row(scores[0][i], scores[1], n + 1, top)
+        emit(entry, [*row[2 : 2 + n], row[-1]], *asked)
+        emitted[i] = len(entry.output.token_ids) - before
+        finished_now |= entry.output.finished
+    return emitted, finished_now

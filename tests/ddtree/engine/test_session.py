@@ -224,11 +224,11 @@ def test_an_unobserved_session_reads_back_the_tokens_alone() -> None:
         )
         session.join([Request([1, 2], 8)])
         session.step()  # two steps launched, one read
-        launch = session._inflight[0]
-        path = launch.state.result.path_tokens.shape[1]
-        assert (launch.state.layout is not None) is probed
-        width = launch.state.out.shape[1]
-        assert width == (launch.state.layout.width if launch.state.layout is not None else 2 + path)
+        state = session._inflight[0].state
+        path = state.result.path_tokens.shape[1]
+        assert (state.layout is not None) is probed
+        width = state.out.shape[1]
+        assert width == (state.layout.width if state.layout is not None else 2 + path)
 
 
 @pytest.mark.parametrize(("method", "temperature", "depth"), [("ar", 0.0, 1), ("dflash", 0.7, 2), ("ddtree", 0.0, 2)])
