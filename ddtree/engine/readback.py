@@ -38,6 +38,10 @@ class Readback:
         self.events[index].record()
         return pool[index], self.events[index]
 
+    def ready(self, ticket: Any) -> bool:
+        """Whether a `start`ed copy has reached the host (its event has passed), without waiting."""
+        return not self.cuda or bool(ticket[1].query())
+
     def wait(self, ticket: Any) -> list[list[int]]:
         """The values of a `start`ed copy (an explicit wait on its event, not an implicit sync)."""
         if not self.cuda:

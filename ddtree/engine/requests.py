@@ -59,10 +59,21 @@ class FirstTokens:
     the copy the first time one of them is needed, so a join never waits for the device. With `layout`, each
     request's row is `[token, log-probability columns (ddtree.engine.logprobs)]`, else the token alone."""
 
-    def __init__(self, ticket: Any, wait: Callable[[Any], Any], layout: LogprobLayout | None = None) -> None:
+    def __init__(
+        self,
+        ticket: Any,
+        wait: Callable[[Any], Any],
+        layout: LogprobLayout | None = None,
+        ready: Callable[[Any], bool] | None = None,
+    ) -> None:
         self._ticket, self._wait = ticket, wait  # a `Readback` ticket and that reader's `wait`
+        self._ready = ready  # and its `ready` (None: read only when needed)
         self._layout = layout
         self._values: np.ndarray | None = None  # [requests] or [requests, 1 + layout.columns] int64
+
+    def ready(self) -> bool:
+        """Whether reading them would not wait: read already, or their copy has reached the host."""
+        return self._values is not None or (self._ready is not None and self._ready(self._ticket))
 
     def _rows(self) -> np.ndarray:
         if self._values is None:
@@ -87,6 +98,10 @@ class Slot:
     output: RequestOutput
     length: int  # committed tokens in the caches
     first: tuple[FirstTokens, int] | None = None  # the prefill's token, until it has been read: (group, index)
+
+    def first_arrived(self) -> bool:
+        """Whether its prefill's token is still unread but on the host: taking it would not wait."""
+        return self.first is not None and self.first[0].ready()
 
     def take_first(self) -> bool:
         """Give the request its prefill's token if that is still unread; returns whether that finished it."""

@@ -235,9 +235,10 @@ class DecodeSession:
     @torch.inference_mode()
     def join(self, requests: list[Request]) -> list[int]:
         """Prefill `requests` into free slots (lowest first) and return their slot indices. A pipelined session
-        reads nothing back here: each request's first token (the prefill's) reaches its output with the tokens
-        of the first step launched after the join, or at `leave`, so a join never drains the steps in flight.
-        Without pipelining nothing is in flight, and the first tokens are read at once."""
+        reads nothing back here: each request's first token (the prefill's) reaches its output at the end of
+        the first `step` after which its copy has reached the host (checked without waiting), at the latest
+        with the tokens of the first step launched after the join, or at `leave`, so a join never drains the
+        steps in flight. Without pipelining nothing is in flight, and the first tokens are read at once."""
         if self.adaptive is not None and not self.adaptive.measured:
             self.measure_costs()
         self._last_finish = None  # the step that ends next carries the prefill: not a steady step
@@ -344,7 +345,7 @@ class DecodeSession:
         tensors = self._prefills.run((len(requests), width, flags), prefill_stage(self._prefill_into, flags), inputs)
         reader = Readback(device, 1)  # the copy is queued before any later group's replay reuses the pool
         layout = LogprobLayout(1, alternatives(self.target.vocab_size)) if flags.scored else None
-        return FirstTokens(reader.start(tensors["first"]), reader.wait, layout)
+        return FirstTokens(reader.start(tensors["first"]), reader.wait, layout, reader.ready)
 
     def refresh_active(self) -> None:
         flags = [decoding(s) for s in self.slots]
@@ -364,7 +365,19 @@ class DecodeSession:
         while len(self._inflight) < self.pipeline_depth:
             launched = decode_step(self)
             self._inflight.append(InFlight(launched, next(launched)))
-        return _finished(self._inflight.popleft())
+        emitted = _finished(self._inflight.popleft())
+        self._hand_over_firsts()
+        return emitted
+
+    def _hand_over_firsts(self) -> None:
+        """Requests that joined while a step was in flight get their prefill's token as soon as its copy has
+        reached the host (checked without waiting), not with the next step's tokens: a step earlier."""
+        finished = False
+        for entry in self.slots:
+            if entry is not None and entry.first_arrived():
+                finished |= entry.take_first()
+        if finished:
+            self.refresh_active()
 
     def drain(self) -> list[list[int]]:
         """Finish the steps still in flight (their tokens go to slots that are still decoding, if any);

@@ -334,3 +334,25 @@ def test_a_join_run_in_groups_of_row_counts_gives_each_request_its_own_tokens(de
         out = session.leave(slot)
         assert out.token_ids == _alone(engine, prompt, "ddtree", 14, t, 60 + i), f"request {i}"
         assert (len(out.logprobs) == 14) == (i % 3 == 0)
+
+
+def test_a_request_joining_behind_a_step_in_flight_gets_its_first_token_at_the_next_step_end() -> None:
+    """Pipelined, a join lands while a step is in flight; the next `step` finishes that older step (without
+    the request) and hands the request its prefill's token, whose copy has arrived, before the step that
+    decodes it is read."""
+    target, drafter = tiny_pair(13, vocab=24, block_size=4)
+    engine = Engine(target, drafter)
+    session = DecodeSession(
+        target, drafter, shape_of("ddtree", 8, None, drafter), slots=2, capacity=96, pipeline_depth=2
+    )
+    first = session.join([Request([1, 2, 3], 10)])[0]
+    session.step()  # two steps launched, one read: one stays in flight
+    late = session.join([Request([4, 5], 9)])[0]
+    session.step()  # reads the step launched before the join
+    alone = _alone(engine, [4, 5], "ddtree", 9, 0.0, 0)
+    assert session.output(late).token_ids == alone[:1] and session.output(late).acceptance_lengths == []
+    while session.has_active():
+        session.step()
+    session.drain()
+    assert session.leave(late).token_ids == alone
+    assert session.leave(first).token_ids == _alone(engine, [1, 2, 3], "ddtree", 10, 0.0, 0)
