@@ -72,8 +72,8 @@ class Generation:
 
     async def started(self) -> None:
         """Wait for the first update, the prefill's token (GenerationFailed, ClientGone; QueueFull and
-        WorkerStopped where an engine in another process refused the job). A pipelined session reads it with
-        the first step after the join."""
+        WorkerStopped where an engine in another process refused the job). A pipelined session hands it over at
+        the end of the first step after the join whose end finds its copy on the host."""
         self._pending = await self._next_update()
 
     async def next_text(self) -> str | None:
