@@ -17,7 +17,8 @@ of the session's own choice then moves toward what it took (`AdaptiveSteps.timed
 row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
 the widest tree, so the curve's wide widths stay current.
 
-Waiting for the decision costs a step time (`CapSteps.unwaited` holds what each width takes without it). At
+Waiting for the decision costs a step time on a device that runs ahead of the host (`CapSteps.unwaited` holds
+what each width takes without it, measured on CUDA; elsewhere it is taken to be the waited time). At
 the end of each window of `RECALIBRATE_EVERY` decisions at a row count, where running one width unread every
 step would have made at least the predicted tokens per second that deciding made (`ddtree.adaptive.commitment`:
 always where every decision chose that width), the row count's next window commits to it: its steps run that

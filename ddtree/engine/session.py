@@ -269,12 +269,13 @@ class DecodeSession:
         its costs. The observer sees none of it. Call it on an empty session."""
         warmup.warm_up(self, prompt_tokens, new_tokens)
 
-    def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16) -> None:
+    def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16, unwaited: bool | None = None) -> None:
         """An adaptive session's cost model: the time of a greedy step of each (cap, width) it chooses between,
-        at each row count a step can have, with and without the wait for its decision, on this device and dtype
-        (after `warm_up` on CUDA, the graphs' replays). `join` runs it before the session's first request where
-        it has not run. The observer sees none of it. Call it on an empty session."""
-        warmup.measure_costs(self, repeats, prompt_tokens)
+        at each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
+        replays), and with `unwaited` (default: on CUDA, where the device runs ahead of the host) also without
+        the wait for its decision. `join` runs it before the session's first request where it has not run. The
+        observer sees none of it. Call it on an empty session."""
+        warmup.measure_costs(self, repeats, prompt_tokens, unwaited)
 
     @contextmanager
     def unobserved(self) -> Iterator[None]:

@@ -46,7 +46,7 @@ def warm_up(session: DecodeSession, prompt_tokens: int, new_tokens: int) -> None
 
 
 @torch.inference_mode()
-def measure_costs(session: DecodeSession, repeats: int, prompt_tokens: int) -> None:
+def measure_costs(session: DecodeSession, repeats: int, prompt_tokens: int, unwaited: bool | None) -> None:
     """`DecodeSession.measure_costs`."""
     adaptive = session.adaptive
     if adaptive is None:
@@ -56,8 +56,10 @@ def measure_costs(session: DecodeSession, repeats: int, prompt_tokens: int) -> N
     adaptive.measured = True  # its own joins do not measure again
     with session.unobserved():
         try:
+            if unwaited is None:  # only a device that runs ahead of the host makes the host's wait cost a step
+                unwaited = session.target.device.type == "cuda"
             for n in row_counts(session.num_slots):
-                for (cap, width), waited in itertools.product(adaptive.pairs(), (True, False)):
+                for (cap, width), waited in itertools.product(adaptive.pairs(), (True, False) if unwaited else (True,)):
                     adaptive.forced_cap, adaptive.forced, adaptive.forced_unread = cap, width, not waited
                     adaptive.set_cost(n, cap, width, _time_steps(session, n, repeats, prompt_tokens), waited)
         finally:

@@ -116,8 +116,12 @@ def test_measuring_costs_needs_an_adaptive_empty_session() -> None:
     session = _session(target, drafter, 4, slots=2)
     slot = session.join([Request([1, 2], 5)])[0]  # the first join measures
     assert session.adaptive is not None and set(session.adaptive.caps[4].costs) == {1, 2}
+    assert session.adaptive.caps[4].unwaited == {}  # on the CPU the host's wait costs a step nothing
+    session.leave(slot)
+    session.measure_costs(repeats=1, unwaited=True)
     unwaited = session.adaptive.caps[4].unwaited  # each width also timed without the wait for its decision
     assert set(unwaited) == {1, 2} and all(t > 0 for times in unwaited.values() for t in times)
+    slot = session.join([Request([1, 2], 5)])[0]
     with pytest.raises(ValueError, match="empty"):
         session.measure_costs()
     session.leave(slot)
