@@ -66,9 +66,9 @@ def choose_width(expected: torch.Tensor, active: torch.Tensor, cost: torch.Tenso
     every width's predicted gain over width 0's."""
     tokens = (active[:, None].float() * (1 + expected.float())).sum(dim=0)  # [K]
     rate = tokens / cost.float()  # [K]
-    most, best = rate.max(dim=0)  # no indexing by a device scalar: that would read it back (and break capture)
     gains = rate / rate[0].clamp_min(1e-12)  # [K]
-    return torch.cat([torch.stack([best.float(), most / rate[0].clamp_min(1e-12)]), gains])  # [2 + K]
+    gain, best = gains.max(dim=0)  # no indexing by a device scalar: that would read it back (and break capture)
+    return torch.cat([torch.stack([best.float(), gain]), gains])  # [2 + K]
 
 
 def adaptive_caps(budget: int) -> tuple[int, ...]:
@@ -123,5 +123,5 @@ def commitment(
     chosen = [max(range(len(gains)), key=gains.__getitem__) for gains, _ in window]
     deciding = sum(t[c] for t, c in zip(tokens, chosen, strict=True)) / sum(waited[c] for c in chosen)
     rates = [sum(t[k] for t in tokens) / (len(window) * unwaited[k]) for k in range(len(waited))]
-    best = max(range(len(rates)), key=lambda k: rates[k])
+    best = max(range(len(rates)), key=rates.__getitem__)
     return best if rates[best] >= deciding * (1 - 1e-9) else None

@@ -53,8 +53,7 @@ class _Entry:
     api: int
     rid: int
     job: Job
-    first: bool = True  # no update sent yet: the next carries the queue time
-    prefilled: bool = False  # the prefill time is sent (with the update of the first token)
+    first: bool = True  # no update sent yet: the next carries the queue time and, with the first token, the prefill's
 
 
 class EngineCore:
@@ -192,13 +191,12 @@ class EngineCore:
 
 def _out(entry: _Entry, update: Update) -> tp.Out:
     job, queued, prefill = entry.job, None, None
-    if entry.first:
+    if entry.first:  # a request's first update is the one with its first token, unless it ended without one
         entry.first = False
         if job.queued_at is not None and job.joined_at is not None:
             queued = max(job.joined_at - job.queued_at, 0.0)
-    if not entry.prefilled and job.first_at is not None and job.joined_at is not None:
-        entry.prefilled = True
-        prefill = max(job.first_at - job.joined_at, 0.0)
+        if job.first_at is not None and job.joined_at is not None:
+            prefill = max(job.first_at - job.joined_at, 0.0)
     return tp.Out(
         entry.rid,
         update.token_ids,
