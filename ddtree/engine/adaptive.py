@@ -17,13 +17,15 @@ of the session's own choice then moves toward what it took (`AdaptiveSteps.timed
 row count's mean prediction curve (`ddtree.adaptive.best_cap`); every `EXPLORE_EVERY`-th step there drafts
 the widest tree, so the curve's wide widths stay current.
 
-Waiting for the decision costs a step time on a device that runs ahead of the host (`CapSteps.unwaited` holds
-what each width takes without it, measured on CUDA; elsewhere it is taken to be the waited time). At
-the end of each window of `RECALIBRATE_EVERY` decisions at a row count, where running one width unread every
-step would have made at least the predicted tokens per second that deciding made (`ddtree.adaptive.commitment`:
-always where every decision chose that width), the row count's next window commits to it: its steps run that
-width without waiting, their decision still made on the device and read with the step's tokens (`Decision`),
-so it still calibrates and judges the next window. The host waits only where the choice pays for the wait.
+Waiting for the decision costs a step time on a device that runs ahead of the host, and deciding costs the
+decide stage and a second graph. At the end of each window of `RECALIBRATE_EVERY` decisions at a row count,
+where running one width as a fixed step (the session's own runner of that width's tree: no decision, one
+graph) would have made at least the predicted tokens per second that deciding made
+(`ddtree.adaptive.commitment`: always where every decision chose that width), the row count commits to it.
+Its steps then run as that fixed step (`AdaptiveSteps.fixed_costs` holds what each takes, measured on CUDA;
+elsewhere it is taken to be the waited time), but for every `CALIBRATE_EVERY`-th, which runs the width
+without waiting for its decision, read with the step's tokens (`Decision`), so the prediction still
+calibrates and the next window is judged. The host waits only where the choice pays for the wait.
 
 The prediction is calibrated as the session goes (`Calibration`): per width, the drafts the target accepted
 over what the drafter predicted, summed over the request steps that ran that width and shrunk toward all
@@ -56,6 +58,7 @@ COST_WEIGHT = 0.1  # how far a step's measured time moves its (rows, cap, width)
 COST_RANGE = (0.5, 3.0)  # a step time outside these multiples of its cost is an outlier (a join, a capture)
 EXPLORE_EVERY = 64  # every this many steps at a row count, one drafts the widest tree whatever the cap
 UNREAD_BUFFERS = 4  # committed steps' decisions on their way to the host at once (at most the pipeline's depth)
+CALIBRATE_EVERY = 8  # every this many steps of a committed row count, one decides (unread) for the calibration
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class Observed:
 @dataclass
 class Decision:
     """A step's decision (`ddtree.adaptive.decision`'s values), read at once or on its way to the host with the
-    step's tokens (`ticket` of `reader`): a committed step ran `width` without waiting for it."""
+    step's tokens (`ticket` of `reader`): a committed step ran `width` without waiting for it. A fixed step
+    made none: `preset` is the gain its window predicted for the width."""
 
     rows: int
     cap: int
@@ -84,9 +88,13 @@ class Decision:
     values: list[float] | None = None
     reader: Readback | None = None
     ticket: Any = None
+    preset: float | None = None
 
     def read(self) -> tuple[Observed | None, float]:
-        """What the calibration takes (None for a forced width) and the gain the step's width was predicted."""
+        """What the calibration takes (None for a forced width or a fixed step) and the gain the step's width
+        was predicted."""
+        if self.preset is not None:
+            return None, self.preset
         if self.values is None:
             assert self.reader is not None
             self.values = [float(v) for v in self.reader.wait(self.ticket)[0]]
@@ -102,7 +110,7 @@ class Decision:
     @property
     def waited(self) -> bool:
         """The host waited for it before the step's second part (not committed): the step's time is its cost's."""
-        return self.reader is None
+        return self.reader is None and self.preset is None
 
 
 class Calibration:
@@ -141,7 +149,8 @@ class Calibration:
 
 
 class AdaptiveSteps:
-    """An adaptive session's steps: a `CapSteps` per cap, the calibration they share, and each row count's cap."""
+    """An adaptive session's steps: a `CapSteps` per cap, the calibration they share, each row count's cap, and
+    the width it is committed to (run by `fixed`, the session's runner of that width's tree)."""
 
     def __init__(
         self,
@@ -150,6 +159,7 @@ class AdaptiveSteps:
         observer: StepObserver,
         cuda_graphs: bool,
         show_tree: Callable[[str, StepState], None],
+        fixed: Callable[[TreeShape], StepRunner[StepState]],
     ) -> None:
         self.widths = adaptive_widths(shape.budget)
         self.calibration = Calibration(self.widths, models(shape).target.device)
@@ -158,14 +168,17 @@ class AdaptiveSteps:
             for c in adaptive_caps(shape.budget)
             for tree in [width_shape(shape, c)]
         }
+        self.shape = shape
         self.widest = shape.budget
+        self.fixed = fixed
         self.cap_of: dict[int, int] = {}  # row count -> its cap (the widest until chosen)
         self.steps_at: dict[int, int] = defaultdict(int)
         self.measured = False
         self.forced: int | None = None  # a width every step runs instead of its choice (measuring, tests)
         self.forced_cap: int | None = None  # the cap it drafts (None: the widest)
-        self.forced_unread = False  # forced steps run unread (measuring the unwaited costs)
-        self.committed: dict[int, tuple[int, int]] = {}  # row count -> (cap, width) its steps run unread
+        self.forced_fixed = False  # forced steps run as the width's fixed step (measuring `fixed_costs`)
+        self.committed: dict[int, tuple[int, int, float]] = {}  # row count -> (cap, width, its window's gain)
+        self.fixed_costs: dict[int, dict[int, float]] = defaultdict(dict)  # row count -> width -> fixed step's s
         self._window: dict[int, list[Observed]] = defaultdict(list)  # row count -> its window's decisions
 
     @property
@@ -176,8 +189,8 @@ class AdaptiveSteps:
         """Every (cap, width) a step can run."""
         return [(cap, w) for cap, steps in self.caps.items() for w in steps.widths]
 
-    def set_cost(self, rows: int, cap: int, width: int, seconds: float, waited: bool = True) -> None:
-        self.caps[cap].set_cost(rows, width, seconds, waited)
+    def set_cost(self, rows: int, cap: int, width: int, seconds: float) -> None:
+        self.caps[cap].set_cost(rows, width, seconds)
 
     def cap(self, rows: int) -> int:
         """The cap a step of `rows` rows drafts."""
@@ -187,29 +200,57 @@ class AdaptiveSteps:
             return self.widest
         return self.cap_of.get(rows, self.widest)
 
+    def fixed_width(self, rows: int) -> int | None:
+        """The width the next step of `rows` rows runs as a fixed step, or None: it drafts its cap's tree."""
+        if self.forced is not None:
+            return self.forced if self.forced_fixed else None
+        committed = self.committed.get(rows)
+        if committed is None or committed[0] != self.cap(rows) or self.steps_at[rows] % CALIBRATE_EVERY == 0:
+            return None
+        return committed[1]
+
     def is_new(self, key: Key) -> bool:
+        width = self.fixed_width(key[0])
+        if width is not None:
+            return self.fixed(width_shape(self.shape, width)).is_new(key)
         return self.caps[self.cap(key[0])].first.is_new(key)
 
     def run(self, key: Key, make: Callable[..., StepState]) -> tuple[StepState, TreeShape, Decision]:
-        """One step on its row count's cap (`CapSteps.run`), committed where the row count is."""
-        rows = key[0]
-        cap = self.cap(rows)
+        """One step: a committed row count's fixed step, or its cap's two parts (`CapSteps.run`), unread
+        where the row count is committed."""
+        rows, width, cap = key[0], self.fixed_width(key[0]), self.cap(key[0])
         self.steps_at[rows] += 1
+        if width is not None:
+            tree = width_shape(self.shape, width)
+            committed = self.committed.get(rows)
+            own = committed is not None and self.forced is None
+            decision = Decision(rows, cap, (), width, own, preset=committed[2] if own and committed else 0.0)
+            return self.fixed(tree).run(key, make), tree, decision
         committed = self.committed.get(rows)
-        unread = committed[1] if committed is not None and committed[0] == cap else None
-        if self.forced is not None:
-            unread = self.forced if self.forced_unread else None
+        unread = committed[1] if committed is not None and committed[0] == cap and self.forced is None else None
         return self.caps[cap].run(key, make, self.forced, unread)
 
-    def timed(self, seen: Observed, seconds: float, waited: bool = True) -> None:
-        """A steady step of the session's own choice took `seconds` (from the end of the step before to its
-        end): its (rows, cap, width) cost, `waited` or not, moves toward it, so the costs follow what real steps
-        take."""
-        self.caps[seen.cap].retime(seen.rows, seen.index, seconds, waited)
+    def timed(self, decision: Decision, seen: Observed | None, seconds: float) -> None:
+        """A steady step of the session's own took `seconds` (from the end of the step before to its end): the
+        cost of what it ran (a waited decision's (rows, cap, width), or a fixed step's (rows, width)) moves
+        toward it, so the costs follow what real steps take. An unread decision's step times neither."""
+        if decision.preset is not None and decision.own:
+            costs = self.fixed_costs[decision.rows]
+            if decision.width in costs:
+                costs[decision.width] = toward(costs[decision.width], seconds)
+        elif seen is not None and decision.waited:
+            self.caps[seen.cap].retime(seen.rows, seen.index, seconds)
+
+    def unwaited(self, rows: int, cap: int) -> list[float]:
+        """Each of `cap`'s widths' step time at `rows` rows run as a fixed step (unmeasured: the waited time;
+        never more: a step without the decision does less)."""
+        fixed = self.fixed_costs[rows]
+        steps = self.caps[cap]
+        return [min(fixed.get(w, t), t) for w, t in zip(steps.widths, steps.seconds[rows], strict=True)]
 
     def observe(self, seen: Observed, accepted: int) -> None:
         """A step's decision against the drafts its rows then accepted. Every `RECALIBRATE_EVERY` decisions at a
-        row count, its cap is chosen again, and its next window commits to a width or not
+        row count, its cap is chosen again, and the row count commits to a width or not
         (`ddtree.adaptive.commitment`, over the window's decisions on the cap it keeps)."""
         self.calibration.observe(seen, accepted)
         rows, window = seen.rows, self._window[seen.rows]
@@ -224,11 +265,13 @@ class AdaptiveSteps:
         del self._window[rows]
         steps = self.caps[cap]
         mine = [(s.gains, s.active) for s in window if s.cap == cap and s.gains]
-        index = commitment(mine, *steps.times(rows)) if rows in steps.seconds else None
+        measured = rows in steps.seconds
+        index = commitment(mine, steps.seconds[rows], self.unwaited(rows, cap)) if measured and mine else None
         if index is None:
             self.committed.pop(rows, None)
         else:
-            self.committed[rows] = (cap, steps.widths[index])
+            gain = sum(g[index] for g, _ in mine) / len(mine)
+            self.committed[rows] = (cap, steps.widths[index], gain)
 
 
 class CapSteps:
@@ -251,7 +294,6 @@ class CapSteps:
         self.trees = {w: width_shape(shape, w) for w in self.widths}  # what a step of each width verifies
         self.costs: dict[int, torch.Tensor] = {}  # row count -> [K] seconds per step
         self.seconds: dict[int, list[float]] = {}  # the same, on the host
-        self.unwaited: dict[int, list[float]] = {}  # row count -> [K] seconds per step run unread (committed)
         self.scale = calibration.scale[: len(self.widths)]  # [K] a view: the calibration's updates reach it
         self._show_tree = show_tree
         self._decided: list[float] | None = None
@@ -293,29 +335,18 @@ class CapSteps:
         return cost
 
     @torch.inference_mode()
-    def set_cost(self, rows: int, width: int, seconds: float, waited: bool = True) -> None:
-        """A step of `width` at `rows` rows takes `seconds` (the session's own measure, or the caller's), where
-        the host waits for its decision (`waited`: what the device's choice weighs) or not."""
+    def set_cost(self, rows: int, width: int, seconds: float) -> None:
+        """A step of `width` at `rows` rows, the host waiting for its decision, takes `seconds` (the session's own
+        measure, or the caller's): what the device's choice weighs."""
         index = self.widths.index(width)
-        if not waited:
-            self.unwaited.setdefault(rows, [0.0] * len(self.widths))[index] = seconds
-            return
         self.cost(rows)[index] = seconds
         self.seconds.setdefault(rows, [1.0] * len(self.widths))[index] = seconds
 
-    def times(self, rows: int) -> tuple[list[float], list[float]]:
-        """Each width's step time at `rows` rows, waited and unwaited (unmeasured: the waited time)."""
-        waited = self.seconds[rows]
-        unwaited = self.unwaited.get(rows, [])
-        return waited, [u or w for u, w in zip(unwaited, waited, strict=True)] if unwaited else list(waited)
-
-    def retime(self, rows: int, index: int, seconds: float, waited: bool = True) -> None:
-        """`AdaptiveSteps.timed`: an outlier (outside `COST_RANGE` of the cost) is left out."""
+    def retime(self, rows: int, index: int, seconds: float) -> None:
+        """`AdaptiveSteps.timed`, for a waited step of width index `index`."""
         if rows not in self.seconds:
             return
-        cost = self.times(rows)[0 if waited else 1][index]
-        if COST_RANGE[0] * cost <= seconds <= COST_RANGE[1] * cost:
-            self.set_cost(rows, self.widths[index], cost + COST_WEIGHT * (seconds - cost), waited)
+        self.set_cost(rows, self.widths[index], toward(self.seconds[rows][index], seconds))
 
     def run(
         self, key: Key, make: Callable[..., StepState], forced: int | None, unread: int | None = None
@@ -351,6 +382,12 @@ class CapSteps:
     def _read(self, state: StepState) -> list[float]:
         row, *_ = self._readback.wait(self._readback.start(state.decision[None, :]))  # [1, 4 + 2K]
         return [float(v) for v in row]
+
+
+def toward(cost: float, seconds: float) -> float:
+    """`cost` moved `COST_WEIGHT` of the way toward a step's `seconds`, unless the step is an outlier (outside
+    `COST_RANGE` of the cost: it carried a join's prefill or a capture)."""
+    return cost + COST_WEIGHT * (seconds - cost) if COST_RANGE[0] * cost <= seconds <= COST_RANGE[1] * cost else cost
 
 
 def width_shape(shape: TreeShape, width: int) -> TreeShape:

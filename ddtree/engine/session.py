@@ -160,8 +160,16 @@ class DecodeSession:
                 self.proposers[s] = make_proposer(s, target, drafter, tree_kernel, feeds_drafter=True)
             return self._models(self.proposers[s])
 
-        adaptive = self.schedule.adaptive
-        self.adaptive = AdaptiveSteps(models, shape, observer, cuda_graphs, self._show_tree) if adaptive else None
+        def fixed(s: TreeShape) -> StepRunner[StepState]:  # a committed width's fixed step, its runner made here
+            if s not in self.runners:
+                self.runners[s] = self._runner(models(s).proposer, stamped)
+            return self.runners[s]
+
+        self.adaptive = (
+            AdaptiveSteps(models, shape, observer, cuda_graphs, self._show_tree, fixed)
+            if self.schedule.adaptive
+            else None
+        )
         self.pipeline_depth = pipeline_depth or (2 if cuda_graphs else 1)
         self.readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[InFlight] = deque()
@@ -272,9 +280,9 @@ class DecodeSession:
     def measure_costs(self, repeats: int = 6, prompt_tokens: int = 16, unwaited: bool | None = None) -> None:
         """An adaptive session's cost model: the time of a greedy step of each (cap, width) it chooses between,
         at each row count a step can have, on this device and dtype (after `warm_up` on CUDA, the graphs'
-        replays), and with `unwaited` (default: on CUDA, where the device runs ahead of the host) also without
-        the wait for its decision. `join` runs it before the session's first request where it has not run. The
-        observer sees none of it. Call it on an empty session."""
+        replays), and with `unwaited` (default: on CUDA, where the device runs ahead of the host) also each
+        width's fixed step, what a committed row count runs without deciding. `join` runs it before the
+        session's first request where it has not run. The observer sees none of it. Call it on an empty session."""
         warmup.measure_costs(self, repeats, prompt_tokens, unwaited)
 
     @contextmanager
@@ -432,10 +440,11 @@ class DecodeSession:
         now = time.perf_counter()
         seen, gain = decision.read()
         self.observer.on_width(number, shape, gain)
-        if seen is not None and self.adaptive is not None:
-            self.adaptive.observe(seen, sum(row[0] for row, s in zip(host, entries, strict=False) if decoding(s)))
+        if self.adaptive is not None:
+            if seen is not None:
+                self.adaptive.observe(seen, sum(row[0] for row, s in zip(host, entries, strict=False) if decoding(s)))
             if self._last_finish is not None:
-                self.adaptive.timed(seen, now - self._last_finish, decision.waited)
+                self.adaptive.timed(decision, seen, now - self._last_finish)
         self._last_finish = now
         return gain
 

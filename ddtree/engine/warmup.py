@@ -3,7 +3,6 @@ first real request, and an adaptive session's measure of what each (cap, width) 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,20 +26,21 @@ def warm_up(session: DecodeSession, prompt_tokens: int, new_tokens: int) -> None
     if session.free_slots() != list(range(session.num_slots)):
         raise ValueError("warm_up needs an empty session")
     adaptive = session.adaptive
-    pairs: list[tuple[int | None, int | None]] = [(None, None)] if adaptive is None else [*adaptive.pairs()]
-    if adaptive is not None:
+    forced: list[tuple[int | None, int | None, bool]] = [(None, None, False)]
+    if adaptive is not None:  # every (cap, width), then every width's fixed step
+        forced = [(c, w, False) for c, w in adaptive.pairs()] + [(None, w, True) for w in adaptive.widths]
         adaptive.measured = True  # measured below, once every width's graphs are made
     with session.unobserved():
         try:
             for kind in WARM_UP_KINDS:
                 for n in row_counts(session.num_slots):
-                    for cap, width in pairs:
+                    for cap, width, fixed in forced:
                         if adaptive is not None:
-                            adaptive.forced_cap, adaptive.forced = cap, width
+                            adaptive.forced_cap, adaptive.forced, adaptive.forced_fixed = cap, width, fixed
                         _run_dummies(session, n, prompt_tokens, new_tokens, kind)
         finally:
             if adaptive is not None:
-                adaptive.forced_cap, adaptive.forced = None, None
+                adaptive.forced_cap, adaptive.forced, adaptive.forced_fixed = None, None, False
     if adaptive is not None:
         session.measure_costs(prompt_tokens=prompt_tokens)
 
@@ -59,11 +59,16 @@ def measure_costs(session: DecodeSession, repeats: int, prompt_tokens: int, unwa
             if unwaited is None:  # only a device that runs ahead of the host makes the host's wait cost a step
                 unwaited = session.target.device.type == "cuda"
             for n in row_counts(session.num_slots):
-                for (cap, width), waited in itertools.product(adaptive.pairs(), (True, False) if unwaited else (True,)):
-                    adaptive.forced_cap, adaptive.forced, adaptive.forced_unread = cap, width, not waited
-                    adaptive.set_cost(n, cap, width, _time_steps(session, n, repeats, prompt_tokens), waited)
+                for cap, width in adaptive.pairs():
+                    adaptive.forced_cap, adaptive.forced = cap, width
+                    adaptive.set_cost(n, cap, width, _time_steps(session, n, repeats, prompt_tokens))
+                adaptive.forced_cap, adaptive.forced_fixed = None, True
+                for width in adaptive.widths if unwaited else ():
+                    adaptive.forced = width
+                    adaptive.fixed_costs[n][width] = _time_steps(session, n, repeats, prompt_tokens)
+                adaptive.forced_fixed = False
         finally:
-            adaptive.forced_cap, adaptive.forced, adaptive.forced_unread = None, None, False
+            adaptive.forced_cap, adaptive.forced, adaptive.forced_fixed = None, None, False
 
 
 def _time_steps(session: DecodeSession, n: int, repeats: int, prompt_tokens: int) -> float:

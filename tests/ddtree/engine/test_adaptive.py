@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 
 from ddtree.adaptive import adaptive_widths
+from ddtree.engine import adaptive as adaptive_steps
 from ddtree.engine import graphs
-from ddtree.engine.adaptive import COST_WEIGHT, EXPLORE_EVERY, RECALIBRATE_EVERY, CapSteps, Observed
+from ddtree.engine.adaptive import (
+    CALIBRATE_EVERY,
+    COST_WEIGHT,
+    EXPLORE_EVERY,
+    RECALIBRATE_EVERY,
+    CapSteps,
+    Decision,
+    Observed,
+)
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import GraphCache, StepRunner, _Captured
 from ddtree.engine.requests import Request
@@ -116,11 +125,11 @@ def test_measuring_costs_needs_an_adaptive_empty_session() -> None:
     session = _session(target, drafter, 4, slots=2)
     slot = session.join([Request([1, 2], 5)])[0]  # the first join measures
     assert session.adaptive is not None and set(session.adaptive.caps[4].costs) == {1, 2}
-    assert session.adaptive.caps[4].unwaited == {}  # on the CPU the host's wait costs a step nothing
+    assert session.adaptive.fixed_costs == {}  # on the CPU the host's wait costs a step nothing
     session.leave(slot)
     session.measure_costs(repeats=1, unwaited=True)
-    unwaited = session.adaptive.caps[4].unwaited  # each width also timed without the wait for its decision
-    assert set(unwaited) == {1, 2} and all(t > 0 for times in unwaited.values() for t in times)
+    fixed = session.adaptive.fixed_costs  # each width's fixed step also timed, without a decision
+    assert set(fixed) == {1, 2} and all(set(c) == {0, 1, 2, 4} and min(c.values()) > 0 for c in fixed.values())
     slot = session.join([Request([1, 2], 5)])[0]
     with pytest.raises(ValueError, match="empty"):
         session.measure_costs()
@@ -172,7 +181,8 @@ def test_a_replayed_step_verifies_the_tree_its_own_first_part_drafted(
     assert sum(a > 1 for o in eager for a in o.acceptance_lengths) > 5, "drafts should be accepted"
 
 
-def test_the_session_calibrates_its_prediction_from_what_the_target_accepted() -> None:
+def test_the_session_calibrates_its_prediction_from_what_the_target_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adaptive_steps, "commitment", lambda *_: None)  # every step decides: the calibration sees all
     target, drafter = tiny_pair(0, vocab=8, block_size=5)
     engine = Engine(target, drafter)
     config = GenerationConfig(method="ddtree", budget=8, adaptive=True, max_new_tokens=40)
@@ -242,35 +252,69 @@ def test_a_steady_steps_time_moves_its_cost_and_an_outlier_does_not() -> None:
     assert adaptive is not None
     adaptive.set_cost(1, 8, 4, 1.0)
     seen = Observed(rows=1, cap=8, index=adaptive.caps[8].widths.index(4), raw=1.0, active=1.0, curve=[0.0] * 5)
-    adaptive.timed(seen, 2.0)
+    waited = Decision(1, 8, adaptive.caps[8].widths, 4, own=True)
+    adaptive.timed(waited, seen, 2.0)
     assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
     assert adaptive.caps[8].costs[1][seen.index].item() == pytest.approx(1.0 + COST_WEIGHT)  # the device's too
-    adaptive.timed(seen, 50.0)  # a step that carried a join's prefill or a capture
+    adaptive.timed(waited, seen, 50.0)  # a step that carried a join's prefill or a capture
+    assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
+    adaptive.fixed_costs[1][4] = 1.0
+    adaptive.timed(Decision(1, 8, (), 4, own=True, preset=1.5), None, 0.5)  # a committed row count's fixed step
+    assert adaptive.fixed_costs[1][4] == pytest.approx(1.0 - 0.5 * COST_WEIGHT)
     assert adaptive.caps[8].seconds[1][seen.index] == pytest.approx(1.0 + COST_WEIGHT)
 
 
-def test_a_row_count_whose_window_chose_one_width_runs_it_without_waiting_and_stays_lossless(
+def test_a_row_count_whose_window_chose_one_width_runs_its_fixed_step_and_stays_lossless(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Once every decision of a window chose the same width, the row count's steps run it without reading
-    their decision first (read later, with the tokens), and the tokens stay ar's."""
+    """Once every decision of a window chose the same width, the row count's steps run that width's fixed step
+    (no decision), but for every `CALIBRATE_EVERY`-th, which decides without waiting (read later, with the
+    tokens); the commitment holds window after window, and the tokens stay ar's."""
     target, drafter = tiny_pair(0, vocab=8, block_size=5)
-    session = _session(target, drafter, 8, slots=1)
+    shape = ShapeSchedule.up_to(shape_of("ddtree", 8, None, drafter))
+    session = DecodeSession(target, drafter, shape, slots=1, capacity=500)
     adaptive = session.adaptive
     assert adaptive is not None
     adaptive.measured = True
     for cap, width in adaptive.pairs():  # the widest tree is the cheapest: every decision chooses it
         adaptive.set_cost(1, cap, width, 1.0 if (cap, width) == (8, 8) else 10.0)
-    waited = []
-    read = CapSteps._read
+    adaptive.fixed_costs[1] = {w: 20.0 for w in adaptive.widths}  # measured slower than deciding: never believed
+    waited, decided = [], []
+    read, run = CapSteps._read, CapSteps.run
     monkeypatch.setattr(CapSteps, "_read", lambda self, state: waited.append(1) or read(self, state))
+    monkeypatch.setattr(CapSteps, "run", lambda self, *a: decided.append(1) or run(self, *a))
     prompt = [1, 2, 3]
-    out = _stream(session, [Request(prompt, 60)], lambda _: None)[0]
-    ar = Engine(target, drafter).generate([prompt], GenerationConfig(method="ar", max_new_tokens=60))
+    out = _stream(session, [Request(prompt, 400)], lambda _: None)[0]
+    ar = Engine(target, drafter).generate([prompt], GenerationConfig(method="ar", max_new_tokens=400))
     assert out.token_ids == ar.outputs[0].token_ids
-    assert adaptive.committed == {1: (8, 8)} and len(out.budgets) > RECALIBRATE_EVERY + 2
+    steps = len(out.budgets)
+    assert steps > RECALIBRATE_EVERY * (CALIBRATE_EVERY + 1), "the commitment should be judged again"
+    assert adaptive.committed[1][:2] == (8, 8)
     assert len(waited) == RECALIBRATE_EVERY  # only the first window's steps waited for their decision
+    assert abs(len(decided) - (RECALIBRATE_EVERY + (steps - RECALIBRATE_EVERY) / CALIBRATE_EVERY)) <= 2
     assert len(out.gains) == len(out.budgets) and set(out.budgets) == {8}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_committed_widths_fixed_steps_joins_and_leaves_keep_greedy_tokens_those_of_ar(seed: int) -> None:
+    """Row counts committed to widths (ar's among them: its fixed step still feeds the drafter) run fixed
+    steps between deciding ones as requests join and leave; greedy tokens stay ar's."""
+    target, drafter = tiny_pair(seed, vocab=20, block_size=5)
+    prompts = random_prompts(seed, 6, vocab=20)
+    news = [20 + 7 * i for i in range(6)]
+    ar = Engine(target, drafter).generate(prompts, GenerationConfig(method="ar", max_new_tokens=max(news)))
+    session = _session(target, drafter, 8, slots=4, depth=1 + seed % 2)
+    adaptive = session.adaptive
+    assert adaptive is not None
+    adaptive.measured = True
+    rng = random.Random(seed)
+    for rows in (1, 2):
+        adaptive.committed[rows] = (8, rng.choice([0, 2]), 1.0)
+    adaptive.committed[4] = (8, 8, 1.0)
+    outs = _stream(session, [Request(p, n) for p, n in zip(prompts, news, strict=True)], lambda _: None)
+    for out, alone, n in zip(outs, ar.outputs, news, strict=True):
+        assert out.token_ids == alone.token_ids[:n]
+    assert any(a > 1 for o in outs for a in o.acceptance_lengths), "drafts should be accepted"
 
 
 def test_a_window_whose_choices_varied_commits_only_where_the_wait_costs_more_than_deciding_gains() -> None:
@@ -281,14 +325,15 @@ def test_a_window_whose_choices_varied_commits_only_where_the_wait_costs_more_th
     widths = steps.widths
     for width in widths:
         adaptive.set_cost(1, 8, width, 1.0)
-    adaptive.committed[1] = (8, 8)
+    adaptive.committed[1] = (8, 8, 1.0)
     gains = [[1.0] + [2.0 if w == (4 if i % 2 else 8) else 1.5 for w in widths[1:]] for i in range(RECALIBRATE_EVERY)]
     window = [Observed(1, 8, 0, 0.0, 1.0, [0.0] * len(widths), g) for g in gains]  # widths 4 and 8 in turn
     for seen in window:
         adaptive.observe(seen, 0)
     assert adaptive.committed == {}  # deciding made 2x ar, either width alone 1.75x
     for width in widths:
-        adaptive.set_cost(1, 8, width, 0.5, waited=False)  # the wait doubles a step
+        adaptive.fixed_costs[1][width] = 0.5  # the wait and the decision double a step
     for seen in window:
         adaptive.observe(seen, 0)
-    assert adaptive.committed[1][1] in (4, 8)
+    _, width, gain = adaptive.committed[1]
+    assert width in (4, 8) and gain == pytest.approx(1.75)  # the window's mean gain at that width
