@@ -6,6 +6,9 @@ Glossary
   log-softmax values (the drafter's per-depth distributions are treated as independent, DDTree Prop. 1).
 - budget B: the number of draft nodes. The tree is the set of the B most probable prefixes; it is closed
   under taking parents, since a parent is never less probable than its child.
+- transition (optional, a Markov head's): each depth's candidates re-weighted by the token drafted at the
+  depth above (`Transition.condition`); a prefix's log-probability is then the sum of its conditioned steps,
+  and the tree is still exactly the B most probable prefixes, of the conditioned distribution.
 
 Node 0 is the root (the bonus token, unknown until verify time). Nodes 1..B are drafts in order of
 decreasing probability, so a parent always has a smaller index than its children. Verify runs every node in
@@ -58,6 +61,28 @@ class DraftTree:
         )
 
 
+@dataclass(frozen=True)
+class Transition:
+    """A first-order correction of each depth's candidates by the token drafted at the depth above (a Markov
+    head's low-rank bigram): the log-potential of child token c under parent token t is
+    `parent[t] . child[c]`. Depth 1 follows the root, which the drafter's block already holds: no correction."""
+
+    parent: torch.Tensor  # [vocab, rank] float32
+    child: torch.Tensor  # [vocab, rank] float32
+
+    def condition(self, log_probs: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """A depth's candidates, `log_probs` and `ids` `[batch, k]` (marginal log-probabilities and token ids),
+        under each of `parents` `[batch, n]` (the tokens drafted above; -1 padding) -> `[batch, n, k]`: each
+        candidate's log-probability given its parent's token. The candidates keep their marginal mass
+        (logsumexp of `log_probs`, at most 1), shared as the correction says, so a zero correction gives the
+        marginals back and a child is never more probable than its parent."""
+        u = self.parent[parents.clamp(min=0)].float()  # [batch, n, rank]
+        v = self.child[ids].float()  # [batch, k, rank]
+        score = log_probs[:, None, :] + u @ v.transpose(1, 2)  # [batch, n, k]
+        mass = torch.logsumexp(log_probs, dim=-1)[:, None, None]  # [batch, 1, 1]
+        return (score - torch.logsumexp(score, dim=-1, keepdim=True) + mass).clamp(max=0.0)
+
+
 def ancestor_mask(tree: DraftTree) -> torch.Tensor:
     """[batch, nodes, nodes] bool: entry (i, j) is true when node j is node i or one of its ancestors.
 
@@ -108,15 +133,18 @@ def tree_shape(draft_logits: torch.Tensor, budget: int, topk: int | None) -> tup
     return batch, depth, vocab, min(budget, vocab) if topk is None else topk
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
+def build_tree(
+    draft_logits: torch.Tensor, budget: int, topk: int | None = None, transition: Transition | None = None
+) -> DraftTree:
     """Return the `budget` most probable prefixes of `draft_logits` as a tree.
 
     `draft_logits` is `[batch, depth, vocab]`. At each depth only the `topk` most probable tokens are
     candidates (default `min(budget, vocab)`). The search is depth-wise: keep the best `budget` prefixes of
     each depth, extend them by the `topk` tokens of the next depth, then take the global best `budget` over
     all depths. A prefix in the global top-B has at most B-1 better prefixes at its depth and its parent is
-    in the global top-B too, so the depth-wise pruning never drops it. All of it is batched tensor work:
-    no Python loop per node and no host sync.
+    in the global top-B too, so the depth-wise pruning never drops it. With a `transition`, each extension
+    is the candidate's log-probability given the beam prefix's last token (`Transition.condition`), and the
+    same argument holds. All of it is batched tensor work: no Python loop per node and no host sync.
     """
     batch, depth, _, k = tree_shape(draft_logits, budget, topk)
     device = draft_logits.device
@@ -132,7 +160,10 @@ def build_tree(draft_logits: torch.Tensor, budget: int, topk: int | None = None)
     level_parent = torch.full_like(level_tok, -1)  # slot of the parent in the previous level
     all_lp, all_tok, all_parent = [level_lp], [level_tok], [level_parent]
     for d in range(1, depth):
-        cand = level_lp[:, :, None] + top_lp[:, d, None, :]  # [batch, budget, k]
+        step = top_lp[:, d, None, :]  # [batch, 1, k]
+        if transition is not None:
+            step = transition.condition(top_lp[:, d], top_ids[:, d], level_tok)  # [batch, budget, k]
+        cand = level_lp[:, :, None] + step  # [batch, budget, k]
         level_lp, flat = torch.topk(cand.reshape(batch, budget * k), budget, dim=-1)
         level_parent = torch.div(flat, k, rounding_mode="floor")
         level_tok = top_ids[:, d, :].gather(1, flat % k)

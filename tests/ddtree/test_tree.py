@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree.tree import DraftTree, build_tree, reachable_depth
+from ddtree.tree import DraftTree, Transition, build_tree, reachable_depth
 
 
 def heap_reference(log_probs: np.ndarray, budget: int, topk: int) -> list[tuple[tuple[int, ...], float]]:
@@ -152,3 +152,65 @@ def test_depths_past_the_budget_never_change_the_tree(
     assert int(full.depths.max()) <= reach
     for field in ("tokens", "parents", "depths", "log_probs", "num_nodes"):
         assert torch.equal(getattr(full, field), getattr(cut, field)), field
+
+
+def conditioned_reference(
+    log_probs: np.ndarray, parent: np.ndarray, child: np.ndarray, budget: int, topk: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """Best-first search over the conditioned distribution, in float64: a depth's top-k candidates (by their
+    marginals) re-weighted by `parent[t] . child[c]` under the parent's token t, keeping their marginal mass."""
+    depth = log_probs.shape[0]
+    order = np.argsort(-log_probs, axis=-1, kind="stable")[:, :topk]
+
+    def step(d: int, prefix: tuple[int, ...]) -> list[tuple[int, float]]:
+        ids = order[d]
+        lp = log_probs[d, ids].astype(np.float64)
+        if d == 0:
+            return [(int(t), float(v)) for t, v in zip(ids, lp, strict=True)]
+        score = lp + child[ids] @ parent[prefix[-1]]
+        mass = np.log(np.exp(lp).sum())
+        cond = score - np.log(np.exp(score).sum()) + mass
+        return [(int(t), float(v)) for t, v in zip(ids, cond, strict=True)]
+
+    heap = [(-v, (t,)) for t, v in step(0, ())]
+    heapq.heapify(heap)
+    out: list[tuple[tuple[int, ...], float]] = []
+    while heap and len(out) < budget:
+        neg, prefix = heapq.heappop(heap)
+        out.append((prefix, -neg))
+        if len(prefix) < depth:
+            for tok, v in step(len(prefix), prefix):
+                heapq.heappush(heap, (neg - v, (*prefix, tok)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_conditioned_tree_is_the_most_probable_prefixes_of_the_conditioned_distribution(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    batch, depth, vocab, rank = 2, 5, 12, 3
+    logits = torch.randn(batch, depth, vocab, generator=gen) * 2
+    transition = Transition(torch.randn(vocab, rank, generator=gen), torch.randn(vocab, rank, generator=gen))
+    budget, topk = [(1, 4), (7, 3), (20, 6), (40, 12)][seed % 4]
+    tree = build_tree(logits, budget, topk, transition)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    marginal = build_tree(logits, budget, topk)
+    for b in range(batch):
+        ref = conditioned_reference(
+            log_probs[b].numpy(), transition.parent.numpy(), transition.child.numpy(), budget, topk
+        )
+        got = tree_prefixes(tree, b)
+        assert {p for p, _ in got} == {p for p, _ in ref}
+        np.testing.assert_allclose(sorted(v for _, v in got), sorted(v for _, v in ref), atol=1e-4)
+        values = [v for _, v in got]
+        assert values == sorted(values, reverse=True), "nodes come in order of conditioned probability"
+    if budget > 1:
+        assert not torch.equal(tree.tokens, marginal.tokens), "the correction should change some tree"
+
+
+def test_a_zero_transition_builds_the_marginal_tree() -> None:
+    logits = torch.randn(3, 6, 40, generator=torch.Generator().manual_seed(0)) * 2
+    zero = Transition(torch.zeros(40, 4), torch.randn(40, 4))
+    for budget, topk in ((16, None), (32, 4)):
+        plain, conditioned = build_tree(logits, budget, topk), build_tree(logits, budget, topk, zero)
+        assert torch.equal(plain.tokens, conditioned.tokens) and torch.equal(plain.parents, conditioned.parents)
+        torch.testing.assert_close(plain.log_probs, conditioned.log_probs)
