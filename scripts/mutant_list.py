@@ -41,8 +41,8 @@ def mutants() -> list[Mutant]:
             "ddtree/tree.py",
             (
                 (
-                    "cand = level_lp[:, :, None] + top_lp[:, d, None, :]",
-                    "cand = 0 * level_lp[:, :, None] + top_lp[:, d, None, :]",
+                    "cand = level_lp[:, :, None] + step",
+                    "cand = 0 * level_lp[:, :, None] + step",
                 ),
             ),
             TREE,
@@ -457,5 +457,24 @@ def mutants() -> list[Mutant]:
             "ddtree/adaptive.py",
             (("/ (len(window) * unwaited[k])", "/ (len(window) * waited[k])"),),
             ("tests/ddtree/test_adaptive.py",),
+        ),
+        Mutant(
+            "fixed-cost-above-waited",
+            "a width's fixed-step time counts even where it was measured above its waited time",
+            "ddtree/engine/adaptive.py",
+            (("[min(fixed.get(w, t), t) for w, t in", "[fixed.get(w, t) for w, t in"),),
+            ("tests/ddtree/engine/test_adaptive.py",),
+        ),
+        Mutant(
+            "transition-reads-the-wrong-parent",
+            "a conditioned tree's candidates are weighted by the beam's first prefix's token, not their own parent's",
+            "ddtree/tree.py",
+            (
+                (
+                    "transition.condition(top_lp[:, d], top_ids[:, d], level_tok)",
+                    "transition.condition(top_lp[:, d], top_ids[:, d], level_tok[:, :1].expand_as(level_tok))",
+                ),
+            ),
+            ("tests/ddtree/test_tree.py",),
         ),
     ]

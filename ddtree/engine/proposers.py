@@ -20,7 +20,7 @@ from ddtree.kv_cache import KVCache
 from ddtree.methods import TreeShape
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
-from ddtree.tree import DraftTree, ancestor_mask, build_tree, reachable_depth, root_only_tree
+from ddtree.tree import DraftTree, Transition, ancestor_mask, build_tree, reachable_depth, root_only_tree
 
 TREE_KERNELS = ("auto", "torch", "triton")
 
@@ -131,6 +131,7 @@ class DrafterProposer:
         self.width = 1 + budget
         self.block = drafter.block_size
         self.depth = reachable_depth(budget, drafter.depth)  # positions whose logits the tree can use
+        self.transition = drafter.transition  # a Markov head's: the tree is built from conditioned steps
 
     def new_cache(self, slots: int, capacity: int) -> KVCache | None:
         return self.drafter.new_cache(slots, capacity, self.target.dtype, self.target.device)
@@ -157,7 +158,7 @@ class DrafterProposer:
 
     def build(self, logits: torch.Tensor | None, batch: int) -> DraftTree:
         assert logits is not None
-        return self.build_tree(logits, self.budget, self.topk)
+        return self.build_tree(logits, self.budget, self.topk, self.transition)
 
     def ancestors(self, tree: DraftTree) -> torch.Tensor:
         return self.ancestor_mask(tree)
@@ -165,7 +166,9 @@ class DrafterProposer:
 
 def _tree_builder(
     kernel: str, device: torch.device
-) -> tuple[Callable[[torch.Tensor, int, int | None], DraftTree], Callable[[DraftTree], torch.Tensor]]:
+) -> tuple[
+    Callable[[torch.Tensor, int, int | None, Transition | None], DraftTree], Callable[[DraftTree], torch.Tensor]
+]:
     """The tree build and its ancestor matrix. `torch`: `ddtree.tree.build_tree` and
     `ddtree.tree.ancestor_mask`; `triton`: the fused kernels, which give the same tree and matrix; `auto`:
     triton on CUDA where it imports, else torch."""

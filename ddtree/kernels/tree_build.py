@@ -62,7 +62,7 @@ from types import ModuleType
 
 import torch
 
-from ddtree.tree import DraftTree, build_tree, tree_shape
+from ddtree.tree import DraftTree, Transition, build_tree, tree_shape
 
 MAX_BLOCK = 16384  # entries of the largest block one program holds in registers
 _CHUNK = 4096  # preferred vocab chunk per program in the first kernel
@@ -254,15 +254,18 @@ def _beam_radix(b_pad: int) -> int:
     return 4 if b_pad <= _RADIX_BEAM_MAX_BUDGET else 1
 
 
-def build_tree_fused(draft_logits: torch.Tensor, budget: int, topk: int | None = None) -> DraftTree:
+def build_tree_fused(
+    draft_logits: torch.Tensor, budget: int, topk: int | None = None, transition: Transition | None = None
+) -> DraftTree:
     """`build_tree` on Triton kernels: the same tree for `draft_logits` [batch, depth, vocab] (see the module
-    docstring for ties). Needs `triton_available()`; sizes past the kernels' limits use `build_tree`."""
+    docstring for ties). Needs `triton_available()`; sizes past the kernels' limits, and a conditioned tree
+    (a `transition`: no fused kernel yet), use `build_tree`."""
     batch, depth, vocab, k = tree_shape(draft_logits, budget, topk)
     if not triton_available():
         raise RuntimeError("build_tree_fused needs triton and a CUDA device (or TRITON_INTERPRET=1)")
     k = min(k, budget)  # ranks past `budget` are never chosen
-    if batch * depth == 0 or not fused_supported(depth, vocab, budget, k):
-        return build_tree(draft_logits, budget, topk)
+    if batch * depth == 0 or not fused_supported(depth, vocab, budget, k) or transition is not None:
+        return build_tree(draft_logits, budget, topk, transition)
     if draft_logits.device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"build_tree_fused needs CUDA tensors outside the interpreter, got {draft_logits.device}")
     with torch.cuda.device(draft_logits.device) if draft_logits.is_cuda else contextlib.nullcontext():

@@ -31,6 +31,7 @@ from ddtree.errors import UserError
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.kv_cache import KVCache
 from ddtree.models.layers import merge_heads, residual_mlp
+from ddtree.tree import Transition
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -106,6 +107,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids: tuple[int, ...] = tuple(int(i) for i in dflash["target_layer_ids"])
         self.mask_token_id = int(dflash["mask_token_id"])
         self.block_size = int(config.block_size)
+        self.transition: Transition | None = None  # a Markov head's correction of its tree (`ddtree.models.markov`)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)

@@ -13,7 +13,9 @@ import torch
 from ddtree.errors import UserError
 from ddtree.models.dflash import DFlashDrafter, check_pair, load_drafter
 from ddtree.models.hybrid import make_target
+from ddtree.models.markov import MarkovHead, load_head
 from ddtree.models.target import Target, load_target, read_target_config
+from ddtree.tree import Transition
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -45,7 +47,20 @@ def load_models(
         check_pair(drafter, config)
     hf_model = load_target(model, device, dtype)
     target = make_target(hf_model, feature_layers=drafter.target_layer_ids if drafter is not None else ())
+    if drafter is not None and drafter_dir is not None:
+        head = load_head(drafter_dir, device)
+        if head is not None:
+            drafter.transition = conditioned(head, target)
     return target, drafter, load_tokenizer(model)
+
+
+def conditioned(head: MarkovHead, target: Target) -> Transition:
+    """A Markov head's correction on `target`'s input embeddings (UserError where their sizes differ)."""
+    weight: torch.Tensor = target.embed_tokens.weight  # type: ignore[assignment]
+    if weight.shape[1] != head.parent.shape[0]:
+        raise UserError(f"the Markov head is {head.parent.shape[0]} wide, the target's embeddings {weight.shape[1]}")
+    with torch.no_grad():
+        return head.transition(weight)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
