@@ -31,7 +31,7 @@ from ddtree.settings import GenerationConfig
 from ddtree.train.heldout import HeldoutSet
 from ddtree.train.runs import EVAL_BUDGET
 from ddtree.train.trainer import block_mask
-from ddtree.tree import ancestor_mask, build_tree, reachable_depth
+from ddtree.tree import Transition, ancestor_mask, build_tree, reachable_depth
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,15 @@ def draft_logits(target: Target, drafter: DFlashDrafter, reply: Reply) -> torch.
     return logits
 
 
-def matched_drafts(logits: torch.Tensor, truth: torch.Tensor, shape: TreeShape) -> torch.Tensor:
+def matched_drafts(
+    logits: torch.Tensor, truth: torch.Tensor, shape: TreeShape, transition: Transition | None = None
+) -> torch.Tensor:
     """`[n]` drafts a step of `shape` accepts at each of n positions: its tree built from `logits`
-    `[n, depth, vocab]` as the engine builds it, and walked with `truth` `[n, depth + 1]`, the target's
-    tokens after the anchor (a node at depth d is checked against `truth[:, d]`)."""
+    `[n, depth, vocab]` as the engine builds it (conditioned by a Markov head's `transition`), and walked with
+    `truth` `[n, depth + 1]`, the target's tokens after the anchor (a node at depth d is checked against
+    `truth[:, d]`)."""
     depth = reachable_depth(shape.budget, logits.shape[1])
-    tree = build_tree(logits[:, :depth], shape.budget, shape.topk)
+    tree = build_tree(logits[:, :depth], shape.budget, shape.topk, transition)
     target_tokens = truth.gather(1, tree.depths)  # [n, nodes]: the target's choice at each node
     root = torch.zeros(truth.shape[0], dtype=torch.long, device=truth.device)
     return accept(tree, ancestor_mask(tree), target_tokens, root).accepted
@@ -130,7 +133,8 @@ def acceptance_lengths(
         logits = draft_logits(target, drafter, reply)
         truth = target_after_anchors(reply, depth + 1, logits.device)  # [limit, depth + 1]
         for shape in shapes:
-            lengths[shape.label].append(walk(matched_drafts(logits, truth, shape).tolist(), reply, eos))
+            matched = matched_drafts(logits, truth, shape, drafter.transition)
+            lengths[shape.label].append(walk(matched.tolist(), reply, eos))
     return lengths
 
 

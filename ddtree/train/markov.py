@@ -1,0 +1,101 @@
+"""Training a Markov head (`ddtree.models.markov`) on the drafter's own teacher-forced candidates.
+
+A tree's node at depth d+1 counts only where its parent, at depth d, was accepted: the target's token there.
+So the head learns from the target's replies: for every anchor of every reply and every depth d+1 >= 2, the
+drafter's top-k candidates at depth d+1 (`ddtree.train.teacher.draft_logits`, the training forward), the
+target's token at depth d (the parent) and at depth d+1 (the label). The loss is the cross-entropy of the
+label among the candidates under `ddtree.tree.Transition.condition`'s scores; a label outside the candidates
+is left out (no tree of those candidates could hold it). The drafter and the target stay frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.markov import MarkovHead
+from ddtree.models.target import Target
+from ddtree.train.data import TrainingSequence
+from ddtree.train.teacher import Reply, draft_logits, target_after_anchors
+
+CANDIDATES = 16  # the candidates per depth a head is trained over (a tree's top-k rarely reaches past them)
+
+
+@dataclass(frozen=True)
+class HeadSamples:
+    """One row per (anchor, depth >= 2) whose target token is among the depth's candidates."""
+
+    log_probs: torch.Tensor  # [n, k] float32: the candidates' marginal log-probabilities
+    ids: torch.Tensor  # [n, k] int64: the candidates' token ids
+    parent: torch.Tensor  # [n] int64: the target's token at the depth above
+    label: torch.Tensor  # [n] int64: the target's token's index among the candidates
+
+    def __len__(self) -> int:
+        return int(self.label.shape[0])
+
+
+def replies_of(sequences: Sequence[TrainingSequence], depth: int) -> list[Reply]:
+    """Training sequences as replies whose every anchor has `depth` target tokens after it."""
+    replies = []
+    for s in sequences:
+        tokens = s.ids[s.prompt_len :]
+        if len(tokens) > depth + 1:
+            replies.append(Reply(s.ids[: s.prompt_len], tokens, len(tokens) - depth - 1))
+    return replies
+
+
+def head_samples(target: Target, drafter: DFlashDrafter, replies: Sequence[Reply], k: int = CANDIDATES) -> HeadSamples:
+    """Every reply's (anchor, depth >= 2) rows whose label is among the depth's top-`k` candidates."""
+    depth = drafter.depth
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for reply in replies:
+        logits = draft_logits(target, drafter, reply)  # [limit, depth, vocab]
+        truth = target_after_anchors(reply, depth + 1, logits.device)  # [limit, depth + 1]: truth[:, d] at depth d+1
+        lp, ids = torch.log_softmax(logits[:, 1:].float(), dim=-1).topk(k, dim=-1)  # [limit, depth - 1, k]
+        parent, child = truth[:, : depth - 1], truth[:, 1:depth]  # [limit, depth - 1]
+        hit = ids == child[..., None]  # [limit, depth - 1, k]
+        keep = hit.any(dim=-1)
+        parts.append((lp[keep], ids[keep], parent[keep], hit[keep].float().argmax(dim=-1)))
+    if not parts or sum(len(p[3]) for p in parts) == 0:
+        raise ValueError("no reply gives a sample: the replies are shorter than the drafter's depth")
+    log_probs, ids, parent, label = (torch.cat(column).cpu() for column in zip(*parts, strict=True))
+    return HeadSamples(log_probs, ids, parent, label)
+
+
+def head_loss(head: MarkovHead, embeddings: torch.Tensor, samples: HeadSamples) -> torch.Tensor:
+    """Mean cross-entropy of the labels among their candidates, the candidates scored given their parent."""
+    u = embeddings[samples.parent].float() @ head.parent  # [n, rank]
+    v = embeddings[samples.ids].float() @ head.child  # [n, k, rank]
+    scores = samples.log_probs + (v @ u[:, :, None]).squeeze(-1)  # [n, k]
+    return F.cross_entropy(scores, samples.label)
+
+
+def train_head(
+    samples: HeadSamples,
+    embeddings: torch.Tensor,
+    rank: int,
+    steps: int,
+    lr: float = 3e-3,
+    batch_size: int = 4096,
+    seed: int = 0,
+) -> MarkovHead:
+    """A head of `rank` trained for `steps` Adam steps on batches of `samples`, over `embeddings`
+    `[vocab, hidden]` (frozen). It starts as the marginal tree (`MarkovHead`: a zero parent factor)."""
+    gen = torch.Generator().manual_seed(seed)
+    embeddings = embeddings.detach().float().cpu()
+    head = MarkovHead(int(embeddings.shape[1]), rank)
+    with torch.no_grad():
+        head.child.copy_(torch.randn(head.child.shape, generator=gen) / embeddings.shape[1] ** 0.5)
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    for _ in range(steps):
+        pick = torch.randint(len(samples), (min(batch_size, len(samples)),), generator=gen)
+        batch = HeadSamples(samples.log_probs[pick], samples.ids[pick], samples.parent[pick], samples.label[pick])
+        loss = head_loss(head, embeddings, batch)
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return head.eval()
