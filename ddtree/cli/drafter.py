@@ -27,6 +27,7 @@ from ddtree.cli.common import (
     int_flag,
     int_list,
 )
+from ddtree.cli.drafter_head import add_head_parser
 from ddtree.errors import UserError
 
 MIB = 2**20
@@ -92,6 +93,7 @@ def add_parsers(sub: Any) -> None:
     grow.add_argument("--seed", type=SEED, default=0, help="initialises the new layers' other weights")
     grow.set_defaults(func=_grow)
     _train_parser(drafter)
+    add_head_parser(drafter, _target_arg)
     _eval_parser(drafter)
     _travel_parsers(drafter)
 
@@ -249,6 +251,7 @@ def _eval_parser(drafter: Any) -> None:
         "--per-depth", action="store_true", help="also the chain's acceptance rate at each depth, and top-k at depth 1"
     )
     evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
+    evaluate.add_argument("--no-head", action="store_true", help="build the marginal trees of a drafter with a head")
     device_args(evaluate, dtype=False)
     evaluate.set_defaults(func=_eval)
 
@@ -262,6 +265,8 @@ def _eval(args: argparse.Namespace) -> int:
     target, drafter = target_or_default(args.target), args.drafter or str(default_drafter())
     try:
         held = HeldoutSet.load(target, drafter, args.device, args.num_prompts)  # both measures' pair and prompts
+        if args.no_head:
+            held.drafter.transition = None
         result = {"teacher-forced": heldout_teacher_eval(held, args.max_new_tokens, budgets=args.budgets)}
         if args.decoded:
             result["decoded"] = heldout_eval(held, args.max_new_tokens, budgets=args.budgets)

@@ -10,14 +10,17 @@ is left out (no tree of those candidates could hold it). The drafter and the tar
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.markov import MarkovHead
+from ddtree.models.dflash import WEIGHTS_NAME, DFlashDrafter
+from ddtree.models.markov import MarkovHead, save_head
 from ddtree.models.target import Target
 from ddtree.train.data import TrainingSequence
 from ddtree.train.teacher import Reply, draft_logits, target_after_anchors
@@ -99,3 +102,54 @@ def train_head(
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return head.eval()
+
+
+def run_head_training(
+    target_dir: str,
+    drafter_dir: str,
+    data: str,
+    out: str | None,
+    rank: int,
+    steps: int,
+    lr: float,
+    max_sequences: int,
+    device: str = "auto",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`ddtree drafter train-head`: samples from the first `max_sequences` sequences of `data` (a tenth kept
+    apart to validate), a head trained on the rest, written to `out` (default: the drafter's directory; a
+    new directory gets the drafter's files too). Returns the sample counts and the validation loss without
+    and with the head."""
+    from ddtree.models.pair import load_models
+    from ddtree.train.data import read_sequences
+
+    target, drafter, _ = load_models(target_dir, drafter_dir, device, "float32")
+    assert drafter is not None
+    drafter.transition = None  # the samples are the drafter's marginals, whatever head it has now
+    replies = replies_of(read_sequences(data)[:max_sequences], drafter.depth)
+    apart = max(1, len(replies) // 10)
+    if len(replies) < 2:
+        raise ValueError(
+            f"{data!r} has {len(replies)} sequences longer than the drafter's depth; at least 2 are needed"
+        )
+    valid, train = head_samples(target, drafter, replies[:apart]), head_samples(target, drafter, replies[apart:])
+    weight: torch.Tensor = target.embed_tokens.weight  # type: ignore[assignment]
+    embeddings = weight.detach().float().cpu()
+    head = train_head(train, embeddings, rank, steps, lr, seed=seed)
+    with torch.no_grad():
+        before = float(head_loss(MarkovHead(head.parent.shape[0], rank), embeddings, valid))
+        after = float(head_loss(head, embeddings, valid))
+    directory = Path(out or drafter_dir)
+    if directory != Path(drafter_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", WEIGHTS_NAME):
+            shutil.copyfile(Path(drafter_dir) / name, directory / name)
+    path = save_head(head, directory)
+    losses = {"valid_loss_marginal": round(before, 4), "valid_loss_head": round(after, 4)}
+    return {
+        "head": str(path),
+        "rank": rank,
+        "steps": steps,
+        "train_samples": len(train),
+        "valid_samples": len(valid),
+    } | losses
