@@ -12,7 +12,7 @@ from ddtree.errors import UserError
 
 def add_head_parser(drafter: Any, target_arg: Any) -> None:
     examples = (
-        "ddtree drafter train-head DRAFTER --model TARGET --data data.jsonl --rank 64 --steps 2000",
+        "ddtree drafter train-head DRAFTER --model TARGET --data data.jsonl --out HEADED",
         "ddtree drafter eval DRAFTER --model TARGET --budgets 32  # with the head; --no-head: without",
     )
     head = add_command(
@@ -27,9 +27,9 @@ def add_head_parser(drafter: Any, target_arg: Any) -> None:
         "--data", required=True, help="training data: a JSONL file of `drafter data` or a packed directory"
     )
     head.add_argument("--out", metavar="DIR", default=None, help="write drafter and head here (default: DRAFTER)")
-    head.add_argument("--rank", type=POSITIVE, default=64, help="rank of the head's bigram")
-    head.add_argument("--steps", type=POSITIVE, default=2000, help="optimizer steps")
-    head.add_argument("--lr", type=float_flag(0, above=True), default=3e-3, help="learning rate")
+    head.add_argument("--rank", type=POSITIVE, default=32, help="rank of the head's bigram")
+    head.add_argument("--steps", type=POSITIVE, default=1000, help="optimizer steps, at most (the best is kept)")
+    head.add_argument("--lr", type=float_flag(0, above=True), default=1e-3, help="learning rate")
     head.add_argument("--max-sequences", type=POSITIVE, default=2000, help="training sequences read, at most")
     head.add_argument("--seed", type=SEED, default=0, help="seed of the head's initial weights and batches")
     device_args(head, dtype=False)

@@ -40,6 +40,24 @@ def test_a_head_learns_a_next_token_that_its_parent_decides() -> None:
         assert float(head_loss(head, embeddings, samples)) < 0.2 * float(untrained)
 
 
+def test_the_head_kept_is_the_best_on_the_validation_samples_never_worse_than_none() -> None:
+    """Validation samples that follow another rule than the training ones: training makes them worse, and the
+    head kept is the marginal tree's (a zero parent factor), whose loss is the candidates' own."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden, k, n = 10, 16, 4, 1000
+    embeddings = torch.randn(vocab, hidden, generator=gen)
+    parent = torch.randint(vocab, (n,), generator=gen)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(n)])
+    ids[:, 0] = (parent * 3 + 1) % vocab
+    train = HeadSamples(torch.full((n, k), -1.0), ids, parent, torch.zeros(n, dtype=torch.long))
+    contrary = HeadSamples(train.log_probs, ids, parent, torch.ones(n, dtype=torch.long))
+    head = train_head(train, embeddings, rank=8, steps=100, lr=3e-2, batch_size=256, valid=contrary)
+    assert bool((head.parent == 0).all()), "no check beat the marginal tree"
+    kept = train_head(train, embeddings, rank=8, steps=100, lr=3e-2, batch_size=256, valid=train)
+    with torch.no_grad():
+        assert float(head_loss(kept, embeddings, train)) < 0.5 * float(torch.log(torch.tensor(k)))
+
+
 def test_head_samples_are_the_drafters_candidates_and_the_targets_tokens() -> None:
     target, drafter = tiny_pair(0, vocab=VOCAB, block_size=5)
     prompts = random_prompts(0, 4, vocab=VOCAB)
