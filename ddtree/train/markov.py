@@ -41,6 +41,9 @@ class HeadSamples:
     def __len__(self) -> int:
         return int(self.label.shape[0])
 
+    def to(self, device: torch.device) -> HeadSamples:
+        return HeadSamples(*(t.to(device) for t in (self.log_probs, self.ids, self.parent, self.label)))
+
 
 def replies_of(sequences: Sequence[TrainingSequence], depth: int) -> list[Reply]:
     """Training sequences as replies whose every anchor has `depth` target tokens after it."""
@@ -98,10 +101,13 @@ def train_head(
     vocabulary learns the training pairs by heart (on 232 replies of the default pair, rank 64 at 3e-3 for
     1,500 steps took the validation loss from 1.75 to 1.96, where 300 steps at 1e-3 took it to 1.28)."""
     gen = torch.Generator().manual_seed(seed)
-    embeddings = embeddings.detach().float().cpu()
+    embeddings = embeddings.detach().float()
+    device = embeddings.device  # where it trains; the samples stay on the host, a batch at a time goes over
+    valid = None if valid is None else valid.to(device)
     head = MarkovHead(int(embeddings.shape[1]), rank)
     with torch.no_grad():
         head.child.copy_(torch.randn(head.child.shape, generator=gen) / embeddings.shape[1] ** 0.5)
+    head.to(device)
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     best = (float("inf"), {k: v.clone() for k, v in head.state_dict().items()})
     if valid is not None:  # the marginal tree's loss: the head kept is never worse on `valid`
@@ -110,6 +116,7 @@ def train_head(
     for step in tqdm(range(1, steps + 1), desc="train", unit="step", disable=quiet):
         pick = torch.randint(len(samples), (min(batch_size, len(samples)),), generator=gen)
         batch = HeadSamples(samples.log_probs[pick], samples.ids[pick], samples.parent[pick], samples.label[pick])
+        batch = batch.to(device)
         loss = head_loss(head, embeddings, batch)
         optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
@@ -155,10 +162,11 @@ def run_head_training(
     valid = head_samples(target, drafter, replies[:apart], quiet=False)
     train = head_samples(target, drafter, replies[apart:], quiet=False)
     weight: torch.Tensor = target.embed_tokens.weight  # type: ignore[assignment]
-    embeddings = weight.detach().float().cpu()
+    embeddings = weight.detach().float()
     head = train_head(train, embeddings, rank, steps, lr, seed=seed, valid=valid, quiet=False)
     with torch.no_grad():
-        before = float(head_loss(MarkovHead(head.parent.shape[0], rank), embeddings, valid))
+        valid = valid.to(embeddings.device)
+        before = float(head_loss(MarkovHead(head.parent.shape[0], rank).to(embeddings.device), embeddings, valid))
         after = float(head_loss(head, embeddings, valid))
     directory = Path(out or drafter_dir)
     if directory != Path(drafter_dir):
