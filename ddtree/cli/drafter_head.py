@@ -18,7 +18,7 @@ def add_head_parser(drafter: Any, target_arg: Any) -> None:
     head = add_command(
         drafter,
         "train-head",
-        "train a Markov head (each depth conditioned on the token drafted above) on the drafter's own candidates",
+        "train a Markov head (each depth conditioned on the token drafted above) for a drafter",
         examples,
     )
     head.add_argument("drafter", help="drafter directory (the head is written beside its weights)")
