@@ -219,15 +219,14 @@ class AdaptiveSteps:
         """One step: a committed row count's fixed step, or its cap's two parts (`CapSteps.run`), unread
         where the row count is committed."""
         rows, width, cap = key[0], self.fixed_width(key[0]), self.cap(key[0])
+        committed = None if self.forced is not None else self.committed.get(rows)  # forced: not the row count's
         self.steps_at[rows] += 1
         if width is not None:
             tree = width_shape(self.shape, width)
-            committed = self.committed.get(rows)
-            own = committed is not None and self.forced is None
-            decision = Decision(rows, cap, (), width, own, preset=committed[2] if own and committed else 0.0)
+            preset = 0.0 if committed is None else committed[2]
+            decision = Decision(rows, cap, (), width, committed is not None, preset=preset)
             return self.fixed(tree).run(key, make), tree, decision
-        committed = self.committed.get(rows)
-        unread = committed[1] if committed is not None and committed[0] == cap and self.forced is None else None
+        unread = committed[1] if committed is not None and committed[0] == cap else None
         return self.caps[cap].run(key, make, self.forced, unread)
 
     def timed(self, decision: Decision, seen: Observed | None, seconds: float) -> None:

@@ -155,14 +155,17 @@ class DecodeSession:
         self.runners = {s: self._runner(self.proposers[s], stamped) for s in self.schedule.shapes}
         self.runner = self.runners[shape]
 
-        def models(s: TreeShape) -> StepModels:  # an adaptive cap's proposer, made here
+        def proposer(s: TreeShape) -> Proposer:  # an adaptive cap's or width's, made here
             if s not in self.proposers:
                 self.proposers[s] = make_proposer(s, target, drafter, tree_kernel, feeds_drafter=True)
-            return self._models(self.proposers[s])
+            return self.proposers[s]
+
+        def models(s: TreeShape) -> StepModels:
+            return self._models(proposer(s))
 
         def fixed(s: TreeShape) -> StepRunner[StepState]:  # a committed width's fixed step, its runner made here
             if s not in self.runners:
-                self.runners[s] = self._runner(models(s).proposer, stamped)
+                self.runners[s] = self._runner(proposer(s), stamped)
             return self.runners[s]
 
         self.adaptive = (

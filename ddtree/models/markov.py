@@ -47,8 +47,8 @@ class MarkovHead(nn.Module):
 def save_head(head: MarkovHead, drafter_dir: str | Path) -> Path:
     """Write the head beside a drafter's weights; returns its path."""
     path = Path(drafter_dir) / HEAD_NAME
-    state = {"parent": head.parent.detach().float().cpu().contiguous(), "child": head.child.detach().float().cpu()}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    state = {name: p.detach().float().cpu().contiguous() for name, p in head.named_parameters()}
+    save_file(state, str(path), metadata={"format": "pt"})
     return path
 
 
