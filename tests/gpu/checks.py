@@ -139,14 +139,16 @@ def _switching(
 
 
 def _adaptive(eager: Engine, engine: Engine, prompts: list[list[int]], eos: tuple[int, ...], dtype: str) -> None:
-    """Each step's width chosen by its own tree (`--budget adaptive`), eager in a batch and graphed, streamed
-    through 8 slots (where a row count commits, its steps run the width's fixed step): greedy output is ar's.
+    """Each step's width chosen by its own tree (`--budget adaptive`), eager and graphed in a batch, and graphed
+    streamed through 8 slots (where a row count commits, its steps run the width's fixed step): greedy output
+    is ar's.
     (Sampled tokens follow the widths chosen, which follow measured times: sampling's exactness is tested in
     distribution, on the CPU.)"""
     ar = eager.generate(prompts, GenerationConfig(method="ar", max_new_tokens=64, eos_token_ids=eos)).outputs
     cfg = GenerationConfig(method="ddtree", budget=64, adaptive=True, max_new_tokens=64, eos_token_ids=eos)
     for name, out in (
         ("eager", eager.generate(prompts, cfg).outputs),
+        ("graphed", engine.generate(prompts, cfg).outputs),
         ("graphed 8 slots", engine.stream(prompts, cfg, slots=8).outputs),
     ):
         same = sum(a.token_ids == b.token_ids for a, b in zip(ar, out, strict=True))
