@@ -5,15 +5,16 @@
     python benchmarks/bench_serve.py --spawn MODEL DRAFTER --serve "ar=--method ar" --serve "B=16=--budget 16" \
         --serve "auto=--budget auto" --clients 1,4,16,64 --requests-per-client 4 --max-tokens 128 --out serve.json
 
-`--clients` asyncio clients share `--requests` streamed `/v1/completions` requests (temperature 0 unless told,
-prompts cycling through a fixed set); `--processes N` spreads them over N load processes, so that the load
-generator is not what caps the server (its own ceiling: `benchmarks/stub_server.py`, a server that streams at
-once, and the README's numbers). Reported: requests/s and output tokens/s over the wall time, TTFT (request
-sent to first text chunk), ITL (gaps between text chunks; a ddtree step can carry several tokens in one
-chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)), as p50/p99. Tokens are the server's `usage`.
-With the server's `/metrics`, also its own mean TTFT (handler start to first token), queue time (submitted
-to joined a slot) and prefill time (joined to the first token handed over) over the load: what of a client's
-TTFT the server spent, and where (TTFT less queue and prefill: the API process and the transport).
+`--clients` asyncio clients (aiohttp, each chunk read with msgspec) share `--requests` streamed
+`/v1/completions` requests (temperature 0 unless told, prompts cycling through a fixed set); `--processes N`
+spreads them over N load processes, so that the load generator is not what caps the server (its own ceiling:
+`benchmarks/stub_server.py`, a server that streams at once, and the README's numbers). Reported: requests/s
+and output tokens/s over the wall time, TTFT (request sent to first text chunk), ITL (gaps between text
+chunks; a ddtree step can carry several tokens in one chunk) and TPOT ((last chunk - first chunk) / (tokens -
+1)), as p50/p99. Tokens are the server's `usage`. With the server's `/metrics`, also its own mean TTFT
+(handler start to first token), queue time (submitted to joined a slot) and prefill time (joined to the first
+token handed over) over the load: what of a client's TTFT the server spent, and where (TTFT less queue and
+prefill: the API process and the transport).
 `--spawn` starts `ddtree serve` itself for each `--method` or `--serve LABEL=ARGS` (on a free port), waits
 for /health, runs each load of `--clients` (a comma-separated list: one load after the other on the same
 server, whose slots are the largest load's), then stops it with SIGTERM. With several servers each load's
@@ -41,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+import msgspec
 
 from telemetry import semconv as sc
 
@@ -57,6 +60,25 @@ PROMPTS = [
 ]
 
 
+class Choice(msgspec.Struct):
+    text: str | None = None
+    delta: dict[str, Any] | None = None
+
+
+class Chunk(msgspec.Struct):
+    """What the load generator reads of a stream's chunk (the rest of it is skipped unread)."""
+
+    choices: list[Choice] = []
+    usage: dict[str, Any] | None = None
+    ddtree: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+_CHUNK = msgspec.json.Decoder(Chunk)
+_JSON = msgspec.json.Encoder()
+JSON_HEAD = {"Content-Type": "application/json"}
+
+
 @dataclass
 class Sample:
     ttft: float
@@ -66,7 +88,7 @@ class Sample:
     budgets: list[int] = field(default_factory=list)  # each step's budget, from the `ddtree` block
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace) -> Sample:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, args: argparse.Namespace) -> Sample:
     body: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -84,21 +106,20 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: ar
     times: list[float] = []
     tokens = 0
     budgets: list[int] = []
-    async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as response:
+    async with session.post(f"{url}/v1/{endpoint}", data=_JSON.encode(body), headers=JSON_HEAD) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            data = line.removeprefix("data: ")
-            if not line or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if any(c.get("text") or c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+        async for line in response.content:  # one SSE line at a time
+            if not line.startswith(b"data: {"):
+                continue  # blank separators and [DONE]
+            chunk = _CHUNK.decode(line[6:])
+            if chunk.error is not None:
+                raise RuntimeError(chunk.error.get("message"))
+            if any(c.text or (c.delta or {}).get("content") for c in chunk.choices):
                 times.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
-            if chunk.get("ddtree"):
-                block = chunk["ddtree"]
+            if chunk.usage:
+                tokens = int(chunk.usage["completion_tokens"])
+            if chunk.ddtree:
+                block = chunk.ddtree
                 budgets = block.get("step_budgets") or [block["budget"]] * block["steps"]
     if not times:
         times = [time.perf_counter()]
@@ -116,20 +137,20 @@ async def _clients(url: str, args: argparse.Namespace, first: int) -> tuple[list
     errors: list[str] = []
     counter = iter(range(first, first + args.requests))
     prompts = _prompts(args)
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(session: aiohttp.ClientSession) -> None:
         for index in counter:
             try:
-                samples.append(await one_request(client, url, prompts[index % len(prompts)], args))
+                samples.append(await one_request(session, url, prompts[index % len(prompts)], args))
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
-    # Without TCP_NODELAY a request's body waits for the ACK of its head: 40 ms of delayed ACK on each TTFT.
-    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    async with httpx.AsyncClient(timeout=args.timeout, transport=transport) as client:
+    # aiohttp sets TCP_NODELAY (without it a request's body would wait 40 ms for the ACK of its head).
+    connector = aiohttp.TCPConnector(limit=args.clients)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+        await asyncio.gather(*(client_loop(session) for _ in range(args.clients)))
         ended = time.perf_counter()
     return samples, errors, started, ended
 

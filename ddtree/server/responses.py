@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from ddtree.adaptive import ADAPTIVE  # the budget of a server whose steps choose their width
 from ddtree.methods import mean_acceptance_length
 
@@ -68,8 +70,18 @@ def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    """One SSE event. msgspec encodes a chunk in a tenth of `json.dumps`'s time (non-ASCII text as UTF-8, not
+    escaped); a string no UTF-8 can hold (a lone surrogate, from a name given on the command line) takes
+    `json.dumps`'s escapes."""
+    try:
+        data = _JSON.encode(payload).decode()
+    except UnicodeEncodeError:
+        data = json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,26 @@ def test_random_bytes_with_end_of_text_decode_as_a_whole() -> None:
         assert "".join(pieces) == full(tokens)
 
 
+class DecodeOnly:
+    """The tokenizer as a slow one looks to the detokenizer: `decode`, no Rust backend."""
+
+    eos_token_id = TOKENIZER.eos_token_id
+
+    def decode(self, tokens: list[int], **kwargs: bool) -> str:
+        return str(TOKENIZER.decode(tokens, **kwargs))
+
+
+def test_the_backend_decode_gives_the_pieces_transformers_decode_gives() -> None:
+    assert TOKENIZER.backend_tokenizer is not None
+    rng = random.Random(1)
+    for _ in range(20):
+        tokens = [rng.choice([*range(256), DecodeOnly.eos_token_id]) for _ in range(rng.randint(1, 40))]
+        fast, slow = Detokenizer(TOKENIZER, tokens[:2]), Detokenizer(DecodeOnly(), tokens[:2])
+        for i in range(2, len(tokens), 2):
+            assert fast.push(tokens[i : i + 2]) == slow.push(tokens[i : i + 2])
+        assert fast.flush() == slow.flush()
+
+
 def test_stop_matcher_holds_back_only_what_may_start_a_stop() -> None:
     m = StopMatcher(["abc", "xy"])
     assert m.push("123a") == "123"  # "a" may begin "abc"
