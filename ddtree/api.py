@@ -26,7 +26,7 @@ from ddtree.adaptive import ADAPTIVE, DEFAULT_MAX_BUDGET
 from ddtree.engine.engine import Engine
 from ddtree.engine.graphs import CUDA_GRAPHS
 from ddtree.engine.proposers import TREE_KERNELS
-from ddtree.errors import UserError
+from ddtree.errors import SettingsError, UserError
 from ddtree.kernels import ATTENTION_CHOICES
 from ddtree.methods import get_method, mean_acceptance_length
 from ddtree.models.chat import chat_ids, eos_ids
@@ -35,7 +35,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.pair import DTYPES
 from ddtree.models.target import Target
 from ddtree.runtime import EngineOptions, completion_text, start_pair_telemetry
-from ddtree.settings import GenerationConfig, check_generation
+from ddtree.settings import GenerationConfig, check_generation, check_prompt
 from telemetry import TelemetryConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -187,11 +187,11 @@ class Pair:
         for i, text in enumerate(prompts):
             if not isinstance(text, str):
                 raise ValueError(f"prompt {i} is a {type(text).__name__}, not a str")
-            if not text:
-                raise ValueError(f"prompt {i} is empty")
             ids = chat_ids(self.tokenizer, text) if chat else [int(t) for t in self.tokenizer.encode(text)]
-            if not ids:
-                raise ValueError(f"prompt {i} encodes to no tokens")
+            try:
+                check_prompt(ids, self.vocab_size)  # an empty text is refused only where it encodes to nothing
+            except SettingsError as exc:
+                raise ValueError(f"prompt {i} {exc.problem}") from None
             encoded.append(ids)
         return encoded
 

@@ -13,7 +13,7 @@ import torch
 
 from ddtree.engine.capacity import ModelDims, check_session, plan_session
 from ddtree.engine.engine import Engine
-from ddtree.errors import UserError
+from ddtree.errors import SettingsError, UserError
 from ddtree.methods import get_method
 from ddtree.models.cache import ddtree_home
 from ddtree.models.chat import chat_ids, eos_ids
@@ -23,7 +23,7 @@ from ddtree.models.pair import load_models, resolve_device, resolve_dtype
 from ddtree.models.target import Target, read_target_config
 from ddtree.observer import NOOP, StepObserver
 from ddtree.schedule import BudgetSchedule, read_schedule
-from ddtree.settings import GenerationConfig, check_generation, tree_shapes
+from ddtree.settings import GenerationConfig, check_generation, check_prompt, tree_shapes
 from telemetry import TelemetryConfig, start_telemetry
 
 
@@ -88,9 +88,10 @@ def check_request(request: GenerateRequest, vocab_size: int | None = None) -> No
     if vocab_size is None:
         return
     for ids in request.prompt_ids or []:
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise UserError(f"--prompt-ids has ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+        try:
+            check_prompt(ids, vocab_size)
+        except SettingsError as exc:
+            raise UserError(f"--prompt-ids: a prompt {exc.problem}") from None
 
 
 def resolve_paths(model: str | None, drafter: str | None, method: str) -> tuple[str, str | None]:
@@ -166,10 +167,14 @@ def encode_prompts(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
     if request.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--chat was given, but the model has no chat template")
-        return [chat_ids(tokenizer, p) for p in prompts]
-    encoded = [list(tokenizer.encode(p)) for p in prompts]
-    if any(not ids for ids in encoded):
-        raise UserError("a prompt encodes to no tokens")
+        encoded = [chat_ids(tokenizer, p) for p in prompts]
+    else:
+        encoded = [[int(t) for t in tokenizer.encode(p)] for p in prompts]
+    for i, ids in enumerate(encoded):
+        try:
+            check_prompt(ids)  # an empty --prompt is refused only where it encodes to nothing (no chat template)
+        except SettingsError as exc:
+            raise UserError(f"--prompt {i + 1}: the prompt {exc.problem}") from None
     return encoded
 
 

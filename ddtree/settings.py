@@ -2,7 +2,9 @@
 
 - `GenerationConfig`: the method, its tree (a budget and top-k, or a budget schedule), sampling and limits.
 - `check_generation`: the one check of those values; `check_request_settings`: the part a single request
-  carries, its limit and sampling (the engine checks each joining request with it, the server each body).
+  carries, its limit and sampling (the engine checks each joining request with it, the server each body);
+  `check_prompt`: a prompt's token ids, as encoded (its text, or its chat template around the text): at least
+  one, each in the vocabulary. An empty text is a prompt like any other where its template gives it tokens.
   Both raise `SettingsError` in the words of the values (`budget must be >= 1, got 0`); the CLI names the
   flag and the server the request's field.
 - `tree_shapes`: the one resolution of the settings into the trees a step verifies, on a drafter of a
@@ -22,6 +24,7 @@ from ddtree.schedule import BudgetSchedule, ShapeSchedule
 
 MAX_TOP_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's `top_logprobs` cap)
 SEED_LIMIT = 2**63  # request i of a batch samples with seed + i, an int64
+SHOWN_IDS = 5  # out-of-vocabulary ids a message lists
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,24 @@ def check_request_settings(
         raise SettingsError("top_k", f"must be an integer >= 0 (0: off), got {top_k}")
     if logprobs is not None and not (0 <= logprobs <= MAX_TOP_LOGPROBS and logprobs == int(logprobs)):
         raise SettingsError("logprobs", f"must be None or in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+
+
+def check_prompt(ids: list[int], vocab_size: int | None = None) -> None:
+    """SettingsError for a prompt with no token ids, or (with `vocab_size`) with ids outside [0, vocab_size)."""
+    if not ids:
+        raise SettingsError("prompt", "has no tokens")
+    if vocab_size is None:
+        return
+    bad = [(at, i) for at, i in enumerate(ids) if not 0 <= i < vocab_size]
+    if bad:
+        listed = ", ".join(f"{_short(i)} at index {at}" for at, i in bad[:SHOWN_IDS])
+        more = f" and {len(bad) - SHOWN_IDS} more" if len(bad) > SHOWN_IDS else ""
+        raise SettingsError("prompt", f"has token ids outside the vocabulary [0, {vocab_size}): {listed}{more}")
+
+
+def _short(value: int, digits: int = 20) -> str:
+    text = str(value)
+    return text if len(text) <= digits else f"{text[:digits]}..."
 
 
 def tree_shapes(config: GenerationConfig, depth: int) -> ShapeSchedule:

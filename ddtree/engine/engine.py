@@ -25,7 +25,7 @@ from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.target import Target
 from ddtree.observer import NOOP, StepObserver
 from ddtree.schedule import ShapeSchedule
-from ddtree.settings import GenerationConfig, check_generation, tree_shapes
+from ddtree.settings import GenerationConfig, check_generation, check_prompt, tree_shapes
 
 KEPT_SESSIONS = 4  # sessions kept for reuse, least recently used dropped first
 
@@ -68,8 +68,7 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], config: GenerationConfig, request_ids: list[str] | None = None
     ) -> GenerationResult:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        _check_prompts(prompts)
         started = time.perf_counter()
         session = self.session(config, len(prompts), max(len(p) for p in prompts) + config.max_new_tokens)
         ids = request_ids or [""] * len(prompts)
@@ -95,8 +94,7 @@ class Engine:
         """Continuous batching: the prompts, in order, join a session of `slots` slots as slots free up between
         steps. Outputs come in prompt order and equal `generate`'s (a slot's output never depends on the
         others); request i samples with seed + i, as in `generate`."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        _check_prompts(prompts)
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         started = time.perf_counter()
@@ -177,3 +175,11 @@ def _request(prompt: list[int], config: GenerationConfig, index: int, request_id
         top_k=config.top_k,
         logprobs=config.logprobs,
     )
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    """ValueError for no prompts, SettingsError for a prompt without tokens (`ddtree.settings.check_prompt`)."""
+    if not prompts:
+        raise ValueError("no prompts were given")
+    for prompt in prompts:
+        check_prompt(prompt)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ddtree.engine.logprobs import LogprobLayout, read_row
-from ddtree.settings import check_request_settings
+from ddtree.settings import check_prompt, check_request_settings
 
 Alternatives = list[tuple[int, float]]  # (token id, log-probability), most probable first
 
@@ -179,8 +179,7 @@ def cache_tokens(tokens: int, width: int, block: int) -> int:
 
 def check_request(request: Request, needed: int, capacity: int) -> None:
     """A request a session can take: a prompt, a limit, sampling within range (SettingsError) and the room."""
-    if not request.prompt:
-        raise ValueError("every prompt needs at least one token")
+    check_prompt(request.prompt)
     request.check_settings()
     if needed > capacity:
         raise ValueError(

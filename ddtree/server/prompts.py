@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddtree.errors import SettingsError
 from ddtree.server.card import ApiModel
 from ddtree.server.errors import bad_request
-from ddtree.server.schemas import ChatMessage, show
-
-SHOWN_IDS = 5
+from ddtree.server.schemas import ChatMessage
+from ddtree.settings import check_prompt
 
 
 def completion_prompt(model: ApiModel, prompt: str | list[int]) -> list[int]:
@@ -42,11 +42,9 @@ def chat_prompt(model: ApiModel, messages: list[ChatMessage]) -> list[int]:
 
 
 def _checked(model: ApiModel, ids: list[int], param: str) -> list[int]:
-    if not ids:
-        raise bad_request("the prompt has no tokens", param=param)
-    bad = [(at, i) for at, i in enumerate(ids) if not 0 <= i < model.vocab_size]
-    if bad:
-        listed = ", ".join(f"{show(i)} at index {at}" for at, i in bad[:SHOWN_IDS])
-        more = f" and {len(bad) - SHOWN_IDS} more" if len(bad) > SHOWN_IDS else ""
-        raise bad_request(f"token ids outside the vocabulary [0, {model.vocab_size}): {listed}{more}", param=param)
+    """The ids, if `ddtree.settings.check_prompt` takes them; else a 400 naming `param`."""
+    try:
+        check_prompt(ids, model.vocab_size)
+    except SettingsError as exc:
+        raise bad_request(f"the prompt {exc.problem}", param=param) from None
     return ids

@@ -78,6 +78,19 @@ def test_chat_applies_the_tokenizers_template(pair: Pair) -> None:
     assert templated.token_ids == by_hand.token_ids != plain.token_ids
 
 
+def test_an_empty_text_is_a_prompt_where_its_template_gives_it_tokens(pair: Pair) -> None:
+    """One rule with the CLI and the server: a prompt is refused when it encodes to no tokens, not for its text."""
+    with pytest.raises(ValueError, match="prompt 0 has no tokens"):
+        pair.generate("", method="ar", max_new_tokens=4)  # no template: the empty text has no tokens
+    pair.tokenizer.chat_template = TEMPLATE
+    try:
+        out = pair.generate("", method="ar", max_new_tokens=4)
+    finally:
+        pair.tokenizer.chat_template = None
+    by_hand = pair.generate("<user>\n<assistant>", method="ar", max_new_tokens=4, chat=False)
+    assert out.token_ids == by_hand.token_ids and len(out.token_ids) == 4
+
+
 def test_the_models_end_of_sequence_token_stops_generation(
     pair: Pair, tiny_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -97,8 +110,8 @@ def test_the_models_end_of_sequence_token_stops_generation(
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"prompt": ""}, "prompt 0 is empty"),
-        ({"prompt": ["fine", ""]}, "prompt 1 is empty"),
+        ({"prompt": ""}, "prompt 0 has no tokens"),
+        ({"prompt": ["fine", ""]}, "prompt 1 has no tokens"),
         ({"prompt": []}, "no prompts were given"),
         ({"budget": 0}, "budget must be >= 1, got 0"),
         ({"budget": 0, "method": "ar"}, "budget must be >= 1, got 0"),

@@ -10,7 +10,14 @@ from ddtree.errors import SettingsError
 from ddtree.methods import check_tree
 from ddtree.schedule import BudgetSchedule, Choice
 from ddtree.server.errors import settings_error
-from ddtree.settings import SEED_LIMIT, GenerationConfig, check_generation, check_request_settings, tree_shapes
+from ddtree.settings import (
+    SEED_LIMIT,
+    GenerationConfig,
+    check_generation,
+    check_prompt,
+    check_request_settings,
+    tree_shapes,
+)
 
 
 @pytest.mark.parametrize(
@@ -83,3 +90,15 @@ def test_the_trees_are_resolved_once_from_the_settings() -> None:
         ("ddtree", 3, 2),
     ]
     assert shapes.widest.budget == 12 and shapes.shape_for(4).method == "ar"
+
+
+def test_a_prompt_needs_tokens_within_the_vocabulary() -> None:
+    check_prompt([0, 257], 258)
+    check_prompt([10**9])  # no vocabulary given: only the count
+    with pytest.raises(SettingsError, match="prompt has no tokens") as empty:
+        check_prompt([], 258)
+    assert empty.value.setting == "prompt"
+    with pytest.raises(SettingsError, match=r"outside the vocabulary \[0, 258\): -1 at index 0, 258 at index 2$"):
+        check_prompt([-1, 5, 258], 258)
+    with pytest.raises(SettingsError, match=r"10000000000000000000\.\.\. at index 0, .* and 1 more$"):
+        check_prompt([10**40, 300, 301, 302, 303, 304], 258)

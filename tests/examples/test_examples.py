@@ -52,7 +52,7 @@ def test_python_api_prints_the_text_and_tau(tiny_dirs: tuple[Path, Path], tmp_pa
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt", ""], "error: prompt 0 is empty"),
+        (["--prompt", ""], "error: prompt 0 has no tokens"),
         (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
     ],
 )

@@ -253,7 +253,7 @@ def test_stream_errors_speak_of_values() -> None:
     engine = Engine(*tiny_pair(7, vocab=32, block_size=4))
     with pytest.raises(ValueError, match="slots must be >= 1, got 0"):
         engine.stream([[1, 2]], GenerationConfig(), slots=0)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="prompt has no tokens"):
         engine.stream([[1], []], GenerationConfig(), slots=2)
 
 
