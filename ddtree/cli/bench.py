@@ -1,7 +1,8 @@
 """`ddtree bench`: tau and speed of ar, dflash and ddtree on one prompt set (argument glue over `ddtree.bench`).
 
 The header line (what runs where) is printed before the rows run, and on a terminal a progress bar on stderr
-counts the rows' batch runs, warm-ups included; off a terminal stderr stays quiet.
+counts the rows' batch runs, warm-ups included; off a terminal (a log file, a pipe) stderr gets a line at most
+every `PROGRESS_LINE_S` seconds, and one at the end, so that a long run never looks stuck.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +36,8 @@ from ddtree.methods import METHOD_NAMES
 if TYPE_CHECKING:
     from ddtree.bench.rows import Sampling
     from ddtree.schedule import BudgetSchedule
+
+PROGRESS_LINE_S = 30.0  # off a terminal: the most seconds between two progress lines
 
 # Names shared with the other subcommands (old spellings kept as aliases for a release):
 # - `--num-prompts N` as in `drafter data` (and vLLM's and SGLang's benchmarks); `--limit` is its old name.
@@ -223,7 +228,7 @@ def _bench_at(
         f"rows interleaved per batch, {rounds} round{'s' if rounds > 1 else ''}, {sampling.describe()}",
         flush=True,
     )
-    with ProgressBar(enabled=sys.stderr.isatty()) as bar:
+    with ProgressBar(terminal=sys.stderr.isatty()) as bar:
         rows = run_bench(
             engine,
             encoded,
@@ -245,21 +250,28 @@ def _bench_at(
 
 
 class ProgressBar:
-    """A `ddtree.bench.rows.Progress` that draws a tqdm bar on stderr, made on the first report; `enabled`
-    False (stderr is no terminal): nothing is drawn. Closes, and leaves no trace, when the block ends."""
+    """A `ddtree.bench.rows.Progress` on stderr (or `stream`). On a terminal a tqdm bar, made on the first
+    report, closed (leaving no trace) when the block ends; off one, a line `bench: 3/12 runs, warm-up ar, 41 s`
+    once `PROGRESS_LINE_S` seconds have passed since the last (or the start), and for the last run."""
 
-    def __init__(self, enabled: bool, stream: Any = None) -> None:
-        self.enabled = enabled
+    def __init__(self, terminal: bool, stream: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.terminal = terminal
         self.stream = stream
         self.bar: Any = None
+        self.clock = clock
+        self.started = self.last_line = clock()
 
     def __call__(self, done: int, total: int, label: str) -> None:
-        if not self.enabled:
+        file = self.stream if self.stream is not None else sys.stderr
+        if not self.terminal:
+            now = self.clock()
+            if done == total or now - self.last_line >= PROGRESS_LINE_S:
+                print(f"bench: {done}/{total} runs, {label}, {now - self.started:.0f} s", file=file, flush=True)
+                self.last_line = now
             return
         if self.bar is None:
             from tqdm import tqdm
 
-            file = self.stream if self.stream is not None else sys.stderr
             # a redraw per batch run (each takes far longer than a redraw), so the last run always shows
             self.bar = tqdm(
                 total=total, desc="bench", unit="run", file=file, leave=False, dynamic_ncols=True, mininterval=0

