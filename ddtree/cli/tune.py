@@ -142,7 +142,7 @@ def _phases(
         kept.finish_log()
     done = [str(size) for size in settings.batch_sizes if kept.points(size) is not None]
     print(f"2/3 cost curves at batch sizes {sizes}" + (f" ({','.join(done)} kept)" if done else ""), flush=True)
-    bars = [ProgressBar(enabled=sys.stderr.isatty()) for _ in settings.batch_sizes]
+    bars = [ProgressBar(terminal=sys.stderr.isatty()) for _ in settings.batch_sizes]
     try:
         costs = cost_curves(
             engine,
