@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,6 +69,7 @@ class BenchRow:
     new_tokens: int
     seconds: float
     token_ids: tuple[tuple[int, ...], ...] = ()  # per prompt, in order: what the method generated
+    new_shapes: int = 0  # timed steps that compiled or captured a step shape: one-off costs in `seconds`
 
     @property
     def tokens_per_second(self) -> float:
@@ -91,7 +92,18 @@ def row_label(method: str, budget: int | None) -> str:
 
 
 Prompts = list[list[int]]
-BatchRun = tuple[list[tuple[int, ...]], int, float, list[int]]  # token rows, steps, seconds, acceptance lengths
+
+
+class BatchRun(NamedTuple):
+    """What a timed batch run made and took."""
+
+    rows: list[tuple[int, ...]]  # the tokens each prompt got
+    steps: int
+    seconds: float
+    lengths: list[int]  # every step's acceptance length, per request
+    new_shapes: int = 0  # steps that compiled or captured a new step shape inside `seconds`
+
+
 Progress = Callable[[int, int, str], None]  # after each batch run, warm-ups too: (runs done, runs in all, what ran)
 
 
@@ -115,19 +127,21 @@ class _Totals:
     new_tokens: int = 0
     seconds: float = 0.0
     lengths: list[int] = field(default_factory=list)
+    new_shapes: int = 0
 
     def add(self, batch: int, run: BatchRun) -> None:
-        rows, steps, seconds, lengths = run
-        self.tokens.setdefault(batch, rows)
-        self.steps += steps
-        self.new_tokens += sum(len(r) for r in rows)
-        self.seconds += seconds
-        self.lengths += lengths
+        self.tokens.setdefault(batch, run.rows)
+        self.steps += run.steps
+        self.new_tokens += sum(len(r) for r in run.rows)
+        self.seconds += run.seconds
+        self.lengths += run.lengths
+        self.new_shapes += run.new_shapes
 
     def row(self, runner: RowRunner) -> BenchRow:
         tau = None if runner.method == HF_BASELINE else mean_acceptance_length(self.lengths)
         tokens = tuple(t for b in sorted(self.tokens) for t in self.tokens[b])
-        return BenchRow(runner.method, runner.budget, tau, self.steps, self.new_tokens, self.seconds, tokens)
+        counts = (self.steps, self.new_tokens, self.seconds)
+        return BenchRow(runner.method, runner.budget, tau, *counts, tokens, self.new_shapes)
 
 
 def bench_schedule(batches: int, rows: int, rounds: int) -> list[tuple[int, int, int]]:
@@ -281,7 +295,8 @@ def session_runner(
         result = run(batch, first, config)
         _sync(engine.target.device)
         lengths = [a for o in result.outputs for a in o.acceptance_lengths]
-        return [tuple(o.token_ids) for o in result.outputs], result.steps, result.seconds, lengths
+        rows = [tuple(o.token_ids) for o in result.outputs]
+        return BatchRun(rows, result.steps, result.seconds, lengths, result.new_shapes)
 
     return RowRunner(method, budget, lambda batch, first: run(batch, first, warm_config), timed)
 
@@ -309,7 +324,7 @@ def hf_runner(target: Target, max_new_tokens: int, eos: tuple[int, ...], batch_s
         parts = generate(batch)
         _sync(target.device)
         steps = sum(max(len(r) for r in rows) for rows in parts)
-        return [r for rows in parts for r in rows], steps, time.perf_counter() - started, []
+        return BatchRun([r for rows in parts for r in rows], steps, time.perf_counter() - started, [])
 
     return RowRunner(HF_BASELINE, None, generate, timed)
 
@@ -368,6 +383,11 @@ def format_rows(rows: list[BenchRow]) -> str:
             f"{r.label:<16}{tau:>6}{r.steps:>8}{r.new_tokens:>8}{r.tokens_per_second:>10.1f}{r.ms_per_step:>9.2f}"
             + "".join(f"{x:>8}" for x in ratios)
         )
+    lines += [
+        f"{r.label}: {r.new_shapes} of its timed steps compiled or captured a new step shape (one-off costs in it)"
+        for r in rows
+        if r.new_shapes
+    ]
     return "\n".join(lines)
 
 
@@ -383,6 +403,7 @@ def rows_json(rows: list[BenchRow], sampling: Sampling = GREEDY) -> list[dict[st
             "seconds": round(r.seconds, 4),
             "tokens_per_second": round(r.tokens_per_second, 2),
             "ms_per_step": round(r.ms_per_step, 3),
+            "new_shapes": r.new_shapes,
             "temperature": sampling.temperature,
             "seed": sampling.seed,
             "token_ids": [list(t) for t in r.token_ids],

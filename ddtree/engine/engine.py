@@ -35,6 +35,7 @@ class GenerationResult:
     outputs: list[RequestOutput]
     steps: int
     seconds: float  # prefill and decode, wall clock
+    new_shapes: int = 0  # steps that compiled or captured a step shape (CUDA): one-off costs inside `seconds`
 
     @property
     def new_tokens(self) -> int:
@@ -71,6 +72,7 @@ class Engine:
         _check_prompts(prompts)
         started = time.perf_counter()
         session = self.session(config, len(prompts), max(len(p) for p in prompts) + config.max_new_tokens)
+        made = session.shapes_made
         ids = request_ids or [""] * len(prompts)
         slots = session.join([_request(p, config, i, rid) for i, (p, rid) in enumerate(zip(prompts, ids, strict=True))])
         steps = 0  # steps in which some request decoded (one launched ahead at the end does not count)
@@ -79,7 +81,7 @@ class Engine:
         steps += sum(any(emitted) for emitted in session.drain())
         outputs = [session.leave(slot) for slot in slots]
         seconds = time.perf_counter() - started
-        return GenerationResult(outputs=outputs, steps=steps, seconds=seconds)
+        return GenerationResult(outputs, steps, seconds, session.shapes_made - made)
 
     def sibling(self) -> Engine:
         """An engine on the same models and settings with a session cache of its own, empty: for callers that
@@ -99,6 +101,7 @@ class Engine:
             raise ValueError(f"slots must be >= 1, got {slots}")
         started = time.perf_counter()
         session = self.session(config, slots, max(len(p) for p in prompts) + config.max_new_tokens)
+        made = session.shapes_made
         ids = request_ids or [""] * len(prompts)
         waiting = deque(enumerate(prompts))
         held: dict[int, int] = {}  # slot -> index of the prompt it decodes
@@ -115,7 +118,8 @@ class Engine:
                 outputs[held.pop(slot)] = session.leave(slot)
         steps += sum(any(emitted) for emitted in session.drain())
         seconds = time.perf_counter() - started
-        return GenerationResult(outputs=[outputs[i] for i in range(len(prompts))], steps=steps, seconds=seconds)
+        ordered = [outputs[i] for i in range(len(prompts))]
+        return GenerationResult(ordered, steps, seconds, session.shapes_made - made)
 
     @property
     def dims(self) -> ModelDims:

@@ -177,6 +177,7 @@ class DecodeSession:
         self.readback = Readback(target.device, self.pipeline_depth)
         self._inflight: deque[InFlight] = deque()
         self._last_finish: float | None = None  # when the last step's tokens were read (None: a join since)
+        self.shapes_made = 0  # steps that compiled or captured a step shape (warm-up's too): one-off costs
         self._views: dict[int, Rows] = {}
         if self.probed:
             observer.on_session(stamped)
@@ -418,10 +419,12 @@ class DecodeSession:
         key = plan.key
         if self.adaptive is not None:
             warmup = self.compiles_per_shape and self.adaptive.is_new(key)
+            self.shapes_made += warmup
             self.observer.on_step_start(number, plan.rows.n, warmup, plan.shape)
             return self.adaptive.run(key, plan.state)
         runner = self.runners[plan.shape]
         warmup = self.compiles_per_shape and runner.is_new(key)  # this step compiles or captures
+        self.shapes_made += warmup
         self.observer.on_step_start(number, plan.rows.n, warmup, plan.shape)
         return runner.run(key, plan.state), plan.shape, None
 

@@ -7,11 +7,23 @@ from typing import Any
 import pytest
 import torch
 
-from ddtree.bench.rows import BenchRow, RowRunner, bench_schedule, hf_runner, run_bench, run_rows
+from ddtree.bench.rows import (
+    BatchRun,
+    BenchRow,
+    RowRunner,
+    bench_schedule,
+    format_rows,
+    hf_runner,
+    rows_json,
+    run_bench,
+    run_rows,
+)
 from ddtree.cli.main import main
 from ddtree.engine import engine as engine_module
 from ddtree.engine.engine import Engine
+from ddtree.engine.session import DecodeSession
 from ddtree.errors import UserError
+from ddtree.settings import GenerationConfig
 from tests.helpers import random_prompts, tiny_pair
 
 
@@ -153,11 +165,11 @@ def test_bench_schedule_runs_each_row_once_per_batch_and_rotates(batches: int, r
 def _recording_runner(index: int, log: list[tuple[str, int, int]]) -> RowRunner:
     """A row that logs (what, row, first prompt's id) and returns (prompt id, this row's timed runs so far)."""
 
-    def timed(batch: list[list[int]], first: int) -> tuple[list[tuple[int, ...]], int, float, list[int]]:
+    def timed(batch: list[list[int]], first: int) -> BatchRun:
         assert first == batch[0][0], "the index of the batch's first prompt in the set (ids are indices here)"
         log.append(("timed", index, batch[0][0]))
         runs = sum(1 for entry in log if entry[:2] == ("timed", index))
-        return [(p[0], runs) for p in batch], 1, 0.5, [2] * len(batch)
+        return BatchRun([(p[0], runs) for p in batch], 1, 0.5, [2] * len(batch), new_shapes=index)
 
     def warm(batch: list[list[int]], first: int) -> None:
         assert first == batch[0][0]
@@ -233,6 +245,27 @@ def test_rounds_sum_steps_and_tokens_and_keep_one_round_of_token_ids() -> None:
         assert (b.steps, b.new_tokens) == (2 * a.steps, 2 * a.new_tokens)
         assert b.token_ids == a.token_ids and len(b.token_ids) == 3
         assert b.tau == a.tau
+
+
+def test_new_shapes_in_timed_runs_are_summed_and_said_under_the_table() -> None:
+    rows = run_rows([_recording_runner(i, []) for i in (0, 3)], [[[0]], [[1]]], 2, torch.device("cpu"))
+    assert [r.new_shapes for r in rows] == [0, 3 * 2 * 2]  # each timed run's count, two batches, two rounds
+    table = format_rows(rows).splitlines()
+    assert table[-1] == "ddtree B=3: 12 of its timed steps compiled or captured a new step shape (one-off costs in it)"
+    assert len(table) == 4 and [r["new_shapes"] for r in rows_json(rows)] == [0, 12]
+
+
+def test_an_engine_counts_the_steps_that_made_a_new_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where steps compile or capture per shape (CUDA), the first run of a shape counts it; the same run again
+    makes none (here on the CPU, with the session told that its steps compile per shape)."""
+    monkeypatch.setattr(DecodeSession, "compiles_per_shape", property(lambda self: True))
+    engine = Engine(*tiny_pair(5))
+    prompts = random_prompts(7, 2, 32)
+    config = GenerationConfig(budget=4, max_new_tokens=6)
+    first, again = engine.generate(prompts, config), engine.generate(prompts, config)
+    assert first.new_shapes > 0 and again.new_shapes == 0
+    engine.stream(prompts, config, slots=1)
+    assert engine.stream(prompts, config, slots=1).new_shapes == 0
 
 
 def test_rounds_below_one_are_a_clear_error(tiny_dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ from ddtree.cli.main import main
 
 def _runner(method: str, budget: int | None) -> RowRunner:
     def timed(batch: Prompts, first: int) -> BatchRun:
-        return [tuple(p) for p in batch], 1, 0.25, [1] * len(batch)
+        return BatchRun([tuple(p) for p in batch], 1, 0.25, [1] * len(batch))
 
     return RowRunner(method, budget, lambda batch, first: None, timed)
 
