@@ -14,6 +14,7 @@ from ddtree.server.app import create_app
 from ddtree.server.logs import OncePerWindow
 from ddtree.server.model import ServedModel
 from ddtree.server.run import make_server
+from ddtree.server.text import Detokenizer
 from tests.ddtree.server.conftest import settings_for
 
 
@@ -74,7 +75,7 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("cannot decode")
 
-    monkeypatch.setattr(served.tokenizer, "decode", broken)  # the first piece of text fails
+    monkeypatch.setattr(Detokenizer, "_decode", broken)  # the first piece of text fails
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     blocks = response.text.split("\n\n")
