@@ -140,8 +140,9 @@ class _Totals:
     def row(self, runner: RowRunner) -> BenchRow:
         tau = None if runner.method == HF_BASELINE else mean_acceptance_length(self.lengths)
         tokens = tuple(t for b in sorted(self.tokens) for t in self.tokens[b])
-        counts = (self.steps, self.new_tokens, self.seconds)
-        return BenchRow(runner.method, runner.budget, tau, *counts, tokens, self.new_shapes)
+        return BenchRow(
+            runner.method, runner.budget, tau, self.steps, self.new_tokens, self.seconds, tokens, self.new_shapes
+        )
 
 
 def bench_schedule(batches: int, rows: int, rounds: int) -> list[tuple[int, int, int]]:
